@@ -1,0 +1,217 @@
+"""The engine: build a model for one arm, prefill a request, and drive the speculative round.
+
+Life of a request: ``start`` (target prefill → first token → draft prefill → first drafts) or a
+restore from a snapshot (``snapshots``) → ``decode`` (the eager host loop: it reads the next width,
+``done`` and the depth decisions between pieces; the pieces themselves never read the host) →
+:class:`Generation` (tokens, the result log as a per-step table, host step timings).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from . import rng
+from .config import (REPO_ROOT, ConfigError, ModelConfig, RuntimeConfig, load_model_config, make_shard,
+                     model_config_from_dict, runtime_config_from_dict)
+from .model import Model, ModelCache
+from .parallel import make_comm
+from .sampling import draw, filter_dist
+from .speculative import (LOG_ACCEPTED, LOG_CACHE_LEN, LOG_DRAFTS, LOG_EMITTED, LOG_NEXT_DRAFTS,
+                          LOG_TOKENS, LOG_WIDTH, MAX_WIDTH, DecodeState, Round)
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given (empty prompt, zero budget, longer than the cache)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def default_checkpoint(cfg: ModelConfig) -> Path | None:
+    """The model's committed asset, if it names one that exists."""
+    if cfg.checkpoint:
+        p = Path(cfg.checkpoint)
+        p = p if p.is_absolute() else REPO_ROOT / p
+        return p if (p / "config.json").is_file() else None
+    return None
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    steps: list[dict]
+    step_ns: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(s["emitted"] for s in self.steps) / max(1, len(self.steps))
+
+    @property
+    def accepted_per_step(self) -> float:
+        return sum(s["accepted"] for s in self.steps) / max(1, len(self.steps))
+
+
+class Engine:
+    """One arm's runtime: a model shard on a device, with its sampling and draft settings."""
+
+    def __init__(self, model_cfg: ModelConfig, rt: RuntimeConfig, tensors: dict[str, torch.Tensor],
+                 checkpoint_hash: str | None = None):
+        self.cfg, self.rt = model_cfg, rt
+        self.device = resolve_device(rt.device)
+        self.shard = make_shard(model_cfg, rt.tp)
+        self.comm = make_comm(rt.tp)
+        if rt.backend != "reference":
+            raise ConfigError(f"backend '{rt.backend}' is not available in this build of the engine; "
+                              "use runtime.backend=reference")
+        self.model = Model(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm)
+        self.checkpoint_hash = checkpoint_hash
+
+    @classmethod
+    def build(cls, model: str | ModelConfig | dict, runtime: RuntimeConfig | dict | None = None,
+              checkpoint: str | Path | None = None, random_seed: int = 0) -> "Engine":
+        """From a model name/config: its checkpoint if given or committed, else a seeded random one."""
+        cfg = (load_model_config(model) if isinstance(model, str)
+               else model_config_from_dict(model) if isinstance(model, dict) else model)
+        rt = runtime if isinstance(runtime, RuntimeConfig) else runtime_config_from_dict(runtime or {})
+        path = Path(checkpoint) if checkpoint else default_checkpoint(cfg)
+        if path is not None:
+            tensors = ckpt.load_checkpoint(path, cfg, rt.tp)
+            return cls(cfg, rt, tensors, ckpt.checkpoint_hash(path))
+        dev = resolve_device(rt.device)
+        tensors = dict(ckpt.random_tensors(cfg, rt.tp, seed=random_seed, device=dev))
+        return cls(cfg, rt, tensors, f"random:{cfg.name}:seed{random_seed}")
+
+    # ---- request life ------------------------------------------------------------------------------
+    def capacity_for(self, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max_new_tokens + 2 * MAX_WIDTH
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len < 1:
+            raise RequestError("the prompt is empty: at least one token is needed")
+        if max_new_tokens < 1:
+            raise RequestError(f"output budget max_new_tokens={max_new_tokens}: must be at least 1")
+        need = self.capacity_for(prompt_len, max_new_tokens)
+        if need > self.cfg.max_context:
+            raise RequestError(f"prompt of {prompt_len} tokens + budget {max_new_tokens} (+{2 * MAX_WIDTH} "
+                               f"slack) needs {need} cache positions; model '{self.cfg.name}' has "
+                               f"max_context={self.cfg.max_context}")
+
+    def new_round(self, capacity: int) -> Round:
+        return Round(self.model, self.model.new_cache(capacity), self.rt.sampling, self.rt.draft)
+
+    def _filter(self, logits):
+        s = self.rt.sampling
+        return filter_dist(logits, s.temperature, s.top_k, s.top_p, self.shard.vocab_start, self.comm)
+
+    def prefill(self, prompt: list[int] | torch.Tensor, rnd: Round) -> torch.Tensor:
+        """Target prefill of the prompt into rnd.cache; returns the hidden states [L, H]."""
+        toks = torch.as_tensor(prompt, dtype=torch.int64, device=self.device)
+        bad = [t for t in toks.tolist() if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt holds token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        with torch.no_grad():
+            return self.model.prefill(toks, rnd.cache)
+
+    def begin(self, prompt: list[int] | torch.Tensor, hidden: torch.Tensor, rnd: Round, seed: int,
+              max_new_tokens: int) -> DecodeState:
+        """From target prefill results to a state ready to verify: sample the first token from the
+        last prompt row, run the draft prefill over the prompt, draw the first drafts.
+        ``hidden`` are the target's hidden states of the prompt rows (from prefill or a snapshot)."""
+        toks = torch.as_tensor(prompt, dtype=torch.int64, device=self.device)
+        L = toks.shape[0]
+        st = DecodeState.empty(self.cfg.hidden_size, self.rt.sampling.top_k, max_new_tokens, seed,
+                               self.cfg.stop_token_ids, self.device)
+        with torch.no_grad():
+            ids, probs = self._filter(self.model.logits(hidden[-1:].to(self.model.dtype)))
+            first, _ = draw(ids, probs, rng.uniform(seed, torch.tensor([L], device=self.device), rng.TARGET))
+            st.start.fill_(L)
+            st.tokens[0].copy_(first[0])
+            st.out[0].copy_(first[0])
+            st.n_out.fill_(1)
+            st.done.copy_((first[0] == st.stop_ids).any() | (st.n_out >= st.budget))
+            # draft prefill: rows at positions 1..L combine h_{t-1} with token t
+            mtp_toks = torch.cat([toks[1:], first])
+            g = self.model.mtp_prefill(hidden.to(self.model.dtype), mtp_toks, rnd.cache, start=1)
+            rnd._take_draft(st, g[-1:], 1)
+            self._draft_rest(st, rnd)
+        return st
+
+    def start(self, prompt, seed: int, max_new_tokens: int) -> tuple[Round, DecodeState]:
+        L = len(prompt)
+        self.check_request(L, max_new_tokens)
+        rnd = self.new_round(self.capacity_for(L, max_new_tokens))
+        hidden = self.prefill(prompt, rnd)
+        return rnd, self.begin(prompt, hidden, rnd, seed, max_new_tokens)
+
+    def _draft_rest(self, st: DecodeState, rnd: Round) -> None:
+        """Depths 2..min_depth unconditionally, then further depths while the device says so."""
+        d = self.rt.draft
+        for k in range(2, d.min_depth + 1):
+            rnd.draft_next(st, k)
+        for k in range(d.min_depth + 1, d.max_depth + 1):
+            if not bool(st.cont):     # driver-side read, between pieces
+                break
+            rnd.draft_next(st, k)
+
+    def decode(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
+        """The eager host loop. Per step it reads the width, ``done`` and the depth decisions."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        delay = self.rt.debug.step_delay_fraction
+        step_ns = []
+        with torch.no_grad():
+            while not bool(st.done):
+                w = st.width()
+                t0 = time.perf_counter_ns()
+                rnd.verify(st, w)
+                if not bool(st.done):
+                    rnd.draft_first(st, w)
+                    self._draft_rest(st, rnd)
+                sync()
+                dt = time.perf_counter_ns() - t0
+                if delay > 0:   # calibration only: a known, proportional slowdown
+                    time.sleep(dt * delay / 1e9)
+                    dt = time.perf_counter_ns() - t0
+                step_ns.append(dt)
+                if on_step is not None:
+                    on_step(len(step_ns))
+        return self.result(st, step_ns)
+
+    def result(self, st: DecodeState, step_ns: list[int]) -> Generation:
+        n_steps = int(st.step)
+        log = st.log[:n_steps].cpu().tolist()
+        steps = [{"step": i, "width": r[LOG_WIDTH], "drafts": r[LOG_DRAFTS], "accepted": r[LOG_ACCEPTED],
+                  "emitted": r[LOG_EMITTED], "cache_len": r[LOG_CACHE_LEN], "next_drafts": r[LOG_NEXT_DRAFTS],
+                  "tokens": r[LOG_TOKENS:LOG_TOKENS + r[LOG_EMITTED]]} for i, r in enumerate(log)]
+        return Generation(tokens=st.out[:int(st.n_out)].cpu().tolist(), steps=steps, step_ns=step_ns)
+
+    def generate(self, prompt, seed: int = 0, max_new_tokens: int = 64, on_step=None) -> Generation:
+        rnd, st = self.start(prompt, seed, max_new_tokens)
+        g = self.decode(rnd, st, on_step)
+        g.prompt_len = len(prompt)
+        return g
+
+    def generate_autoregressive(self, prompt, seed: int = 0, max_new_tokens: int = 16) -> list[int]:
+        """Plain sampling of the target, one token per forward, with the same random stream as the
+        speculative path's target draws (key: seed, position, TARGET). The distributional oracle."""
+        L = len(prompt)
+        self.check_request(L, max_new_tokens)
+        rnd = self.new_round(self.capacity_for(L, max_new_tokens))
+        with torch.no_grad():
+            h = self.prefill(prompt, rnd)[-1:]
+            out = []
+            for t in range(L, L + max_new_tokens):
+                ids, probs = self._filter(self.model.logits(h))
+                tok, _ = draw(ids, probs, rng.uniform(seed, torch.tensor([t], device=self.device), rng.TARGET))
+                out.append(int(tok[0]))
+                if out[-1] in self.cfg.stop_token_ids:
+                    break
+                h = self.model.forward(tok, torch.tensor([t], device=self.device), rnd.cache, mode="decode")
+        return out

@@ -1,0 +1,191 @@
+"""The speculative round, written once as device-tensor-only pieces.
+
+One round ("step") verifies one committed token plus 3-7 drafts (width w = 4..8 rows):
+
+  verify(w)       target forward over the w rows (K/V written for all), served distributions p,
+                  rejection sampling against the drafts' saved proposals q, settle (cache length rolls
+                  back to the accepted prefix; the result log gets a row; emitted tokens appended)
+  draft_first(w)  the MTP layer over the w rows [accepted drafts…, new token, padding] with the
+                  target's hidden states, then the first draft from the row of the new token
+  draft_next(k)   depth k >= 2: the same MTP layer on its own last output (one row); after each depth
+                  at or past ``min_depth`` the draft policy decides on device whether depth k+1 runs
+
+The next round's width is 1 + drafts generated. No piece reads a tensor value on the host: every
+state update is an in-place write into a persistent buffer of :class:`DecodeState`, so the pieces
+can be captured as CUDA graphs (one per width, one per extra depth) and driven by the device loop.
+Only drivers read the three control values (:meth:`DecodeState.width`, ``done``, ``cont``).
+
+Positions: the committed token sits at position S = cache length. Verified row i sits at S + i and
+predicts S + i + 1. A draft-layer row at position t combines the hidden state that predicted token t
+with token t's embedding and predicts t + 1. Random numbers are keyed by (seed, position, purpose).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .config import DraftConfig, ModelConfig, SamplingConfig
+from .model import Model, ModelCache
+from .sampling import draw, entropy, filter_dist, verify_drafts
+
+MAX_WIDTH = 8
+MAX_DEPTH = MAX_WIDTH - 1
+
+# Result-log columns (one int64 row per step).
+LOG_WIDTH, LOG_DRAFTS, LOG_ACCEPTED, LOG_EMITTED, LOG_CACHE_LEN, LOG_NEXT_DRAFTS, LOG_DONE = range(7)
+LOG_TOKENS = 8
+LOG_COLS = LOG_TOKENS + MAX_WIDTH
+
+
+@dataclass
+class DecodeState:
+    """All decode state of one request, in device tensors with static shapes."""
+
+    tokens: torch.Tensor      # [8] row 0: committed token; rows 1..: drafts
+    q_ids: torch.Tensor       # [8, k] proposal distribution of draft row j (row 0 unused)
+    q_probs: torch.Tensor     # [8, k]
+    start: torch.Tensor       # () position of row 0 == target cache length
+    prev_start: torch.Tensor  # () start of the last verified round
+    accepted: torch.Tensor    # () drafts accepted by the last verification
+    n_drafts: torch.Tensor    # () drafts ready for the next verification
+    emitted: torch.Tensor     # [8] the last verification's emitted tokens (then padding)
+    hidden: torch.Tensor      # [8, H] the last verification's target hidden states
+    g: torch.Tensor           # [1, H] the draft layer's last output
+    draft_logp: torch.Tensor  # () Σ log served probability of this round's drafts
+    draft_ent: torch.Tensor   # () entropy of the last draft's proposal
+    cont: torch.Tensor        # () bool: run the next extra draft depth
+    seed: torch.Tensor        # () int64
+    budget: torch.Tensor      # () output budget (max new tokens)
+    stop_ids: torch.Tensor    # [s] stop tokens (may be empty)
+    out: torch.Tensor         # [budget + 8] emitted tokens
+    n_out: torch.Tensor       # ()
+    log: torch.Tensor         # [budget + 1, LOG_COLS] result log
+    step: torch.Tensor        # () rows of the log written
+    done: torch.Tensor        # () bool
+
+    @classmethod
+    def empty(cls, hidden: int, top_k: int, budget: int, seed: int, stop_ids, device) -> "DecodeState":
+        i64 = dict(dtype=torch.int64, device=device)
+        z = lambda: torch.zeros((), **i64)  # noqa: E731
+        return cls(
+            tokens=torch.zeros(MAX_WIDTH, **i64), q_ids=torch.zeros(MAX_WIDTH, top_k, **i64),
+            q_probs=torch.zeros(MAX_WIDTH, top_k, dtype=torch.float32, device=device),
+            start=z(), prev_start=z(), accepted=z(), n_drafts=z(), emitted=torch.zeros(MAX_WIDTH, **i64),
+            hidden=torch.zeros(MAX_WIDTH, hidden, dtype=torch.float32, device=device),
+            g=torch.zeros(1, hidden, dtype=torch.float32, device=device),
+            draft_logp=torch.zeros((), dtype=torch.float32, device=device),
+            draft_ent=torch.zeros((), dtype=torch.float32, device=device),
+            cont=torch.zeros((), dtype=torch.bool, device=device),
+            seed=torch.tensor(int(seed), **i64), budget=torch.tensor(int(budget), **i64),
+            stop_ids=torch.tensor(list(stop_ids), **i64),
+            out=torch.zeros(budget + MAX_WIDTH, **i64), n_out=z(),
+            log=torch.zeros(budget + 1, LOG_COLS, **i64), step=z(),
+            done=torch.zeros((), dtype=torch.bool, device=device))
+
+    # driver-side reads (never called inside a piece)
+    def width(self) -> int:
+        return int(self.n_drafts) + 1
+
+
+class Round:
+    """The pieces of one speculative round over a model, its cache and the decode state."""
+
+    def __init__(self, model: Model, cache: ModelCache, sampling: SamplingConfig, draft: DraftConfig):
+        self.model, self.cache, self.s, self.draft = model, cache, sampling, draft
+        self.cfg: ModelConfig = model.cfg
+
+    def _filter(self, logits):
+        s, sh = self.s, self.model.shard
+        return filter_dist(logits, s.temperature, s.top_k, s.top_p, sh.vocab_start, self.model.comm)
+
+    # ---- 1-4: verify and settle --------------------------------------------------------------------
+    def verify(self, st: DecodeState, w: int) -> None:
+        dev = st.tokens.device
+        P = st.start
+        pos = P + torch.arange(w, device=dev)
+        rows = st.tokens[:w]
+        h = self.model.forward(rows, pos, self.cache, mode="decode")
+        p_ids, p_probs = self._filter(self.model.logits(h))
+        drafts = rows[1:]
+        n, nxt = verify_drafts(p_ids, p_probs, st.q_ids[1:w], st.q_probs[1:w], drafts,
+                               rng.uniform(st.seed, pos[1:], rng.ACCEPT),
+                               rng.uniform(st.seed, pos[1:], rng.RESIDUAL),
+                               rng.uniform(st.seed, P + w, rng.TARGET))
+        em = torch.cat([drafts, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))   # [w]
+        count = self._emit(st, em, n)
+        row = torch.zeros(LOG_COLS, dtype=torch.int64, device=dev)
+        row[LOG_WIDTH] = w
+        row[LOG_DRAFTS] = w - 1
+        row[LOG_ACCEPTED] = n
+        row[LOG_EMITTED] = count
+        row[LOG_CACHE_LEN] = P + n + 1
+        row[LOG_DONE] = st.done.to(torch.int64)
+        row[LOG_TOKENS:LOG_TOKENS + w] = em
+        st.log.index_copy_(0, st.step.view(1), row.view(1, -1))
+        st.step.add_(1)
+        st.prev_start.copy_(P)
+        st.start.copy_(P + n + 1)
+        st.accepted.copy_(n)
+        st.emitted[:w].copy_(em)
+        st.hidden[:w].copy_(h.float())
+        st.tokens[0].copy_(nxt)
+        st.n_drafts.zero_()
+
+    def _emit(self, st: DecodeState, em: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """Append em[:n+1] to the output, cut at a stop token and at the budget; returns the count."""
+        w = em.shape[0]
+        idx = torch.arange(w, device=em.device)
+        is_stop = (em[:, None] == st.stop_ids[None, :]).any(-1) & (idx <= n)
+        first_stop = torch.where(is_stop, idx, torch.full_like(idx, w)).amin()
+        count = torch.minimum(torch.minimum(first_stop, n) + 1, st.budget - st.n_out)
+        st.out.index_copy_(0, st.n_out + idx, em)
+        st.n_out.add_(count)
+        st.done.copy_(st.done | is_stop.any() | (st.n_out >= st.budget))
+        return count
+
+    # ---- 5: recursive drafting ---------------------------------------------------------------------
+    def _take_draft(self, st: DecodeState, g: torch.Tensor, k: int) -> None:
+        """Draft depth k from draft hidden g [1, H]: its proposal, the drawn token, the policy."""
+        q_ids, q_probs = self._filter(self.model.mtp_logits(g))
+        d, idx = draw(q_ids, q_probs, rng.uniform(st.seed, (st.start + k).view(1), rng.DRAFT))
+        st.tokens[k].copy_(d[0])
+        st.q_ids[k].copy_(q_ids[0])
+        st.q_probs[k].copy_(q_probs[0])
+        st.g.copy_(g.float())
+        served = q_probs[0].gather(0, idx)[0]
+        logp = torch.log(served.clamp_min(1e-30))
+        st.draft_logp.copy_(logp if k == 1 else st.draft_logp + logp)
+        st.draft_ent.copy_(entropy(q_probs[0]))
+        st.n_drafts.fill_(k)
+        st.log[:, LOG_NEXT_DRAFTS].index_copy_(0, (st.step - 1).clamp_min(0).view(1), st.n_drafts.view(1))
+        st.cont.copy_(self._continue(st, k))
+
+    def _continue(self, st: DecodeState, k: int) -> torch.Tensor:
+        """Whether depth k+1 runs. Depths up to min_depth always run; never past max_depth. The stop
+        rule looks at the drafts' served probabilities and the last proposal's entropy; a draft is
+        never discarded because of its own probability (only the next depth is decided)."""
+        d = self.draft
+        dev = st.tokens.device
+        if k + 1 <= d.min_depth:
+            return torch.ones((), dtype=torch.bool, device=dev)
+        if k + 1 > d.max_depth:
+            return torch.zeros((), dtype=torch.bool, device=dev)
+        if d.policy == "fixed":
+            return torch.full((), k + 1 <= d.fixed_depth, dtype=torch.bool, device=dev)
+        r = d.stop_rule
+        return (st.draft_logp >= r.log_prob_min) & (st.draft_ent <= r.entropy_max)
+
+    def draft_first(self, st: DecodeState, w: int) -> None:
+        """Depth 1 over the w rows of the last verification (row n holds the new token)."""
+        P, n = st.prev_start, st.accepted
+        pos = P + 1 + torch.arange(w, device=st.tokens.device)
+        g = self.model.mtp_forward(st.hidden[:w].to(self.model.dtype), st.emitted[:w], pos, self.cache, "decode")
+        self._take_draft(st, g.index_select(0, n.view(1)), 1)
+
+    def draft_next(self, st: DecodeState, k: int) -> None:
+        """Depth k >= 2: one row at the position of draft k-1, on the draft layer's own output."""
+        pos = (st.start + k - 1).view(1)
+        g = self.model.mtp_forward(st.g.to(self.model.dtype), st.tokens[k - 1].view(1), pos, self.cache, "decode")
+        self._take_draft(st, g, k)

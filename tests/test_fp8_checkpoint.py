@@ -1,0 +1,128 @@
+"""FP8 block quantisation, the checkpoint format, the loader's errors, random shards."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime import fp8
+from runtime.checkpoint import (CheckpointError, content_hash, load_checkpoint, random_tensors,
+                                save_checkpoint, slice_for_rank)
+from runtime.config import TPConfig
+from tests.conftest import tiny_cfg
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (3, 130, 129)])
+def test_fp8_block_roundtrip_within_bound(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    # blocks of very different magnitudes: a per-tensor scale would fail the bound
+    w = torch.randn(*shape, generator=g) * torch.logspace(-3, 2, shape[-1])[None]
+    q, s = fp8.quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == fp8.scale_shape(w.shape, 128)
+    err = (fp8.dequantize(q, s) - w).abs()
+    assert (err <= fp8.roundtrip_bound(w)).all()
+    # negative control: one scale for the whole tensor violates the per-element bound
+    amax = w.abs().max() / fp8.E4M3_MAX
+    coarse = (w / amax).to(torch.float8_e4m3fn).float() * amax
+    assert not ((coarse - w).abs() <= fp8.roundtrip_bound(w)).all()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    cfg = tiny_cfg()
+    path = tmp_path_factory.mktemp("ck") / "tiny"
+    tensors = dict(random_tensors(cfg, seed=3))
+    h = save_checkpoint(path, cfg, tensors, shard_bytes=1 << 20)
+    return cfg, path, tensors, h
+
+
+def test_save_load_roundtrip_and_hash(saved):
+    cfg, path, tensors, h = saved
+    assert len(list(path.glob("model-*.safetensors"))) > 1       # really sharded
+    loaded = load_checkpoint(path, cfg, verify_hash=True)
+    assert set(loaded) == set(tensors)
+    assert all(torch.equal(loaded[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
+    assert content_hash(loaded) == h
+    assert content_hash(dict(random_tensors(cfg, seed=4))) != h
+    assert loaded["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert loaded["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+def _copy(path, dst):
+    import shutil
+    shutil.copytree(path, dst)
+    return dst
+
+
+def _edit(ck, fn):
+    """Apply fn to the tensor dict of the file holding the first expert tensor of layer 0."""
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    fname = idx["model.layers.0.mlp.experts.0.gate_proj.weight"]
+    t = load_file(str(ck / fname))
+    fn(t)
+    save_file(t, str(ck / fname))
+
+
+def test_loader_names_every_problem(saved, tmp_path):
+    cfg, path, _, _ = saved
+    ck = _copy(path, tmp_path / "bad")
+
+    def damage(t):
+        del t["model.layers.0.mlp.experts.0.gate_proj.weight"]
+        t["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(3, 3, dtype=torch.float8_e4m3fn)
+        t["model.layers.0.mlp.experts.0.down_proj.weight"] = t["model.layers.0.mlp.experts.0.down_proj.weight"].float()
+
+    _edit(ck, damage)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ck, cfg)
+    msg = str(e.value)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight: listed in the index but absent" in msg
+    assert "model.layers.0.mlp.experts.0.up_proj.weight: shape (3, 3), expected (256, 128)" in msg
+    assert "model.layers.0.mlp.experts.0.down_proj.weight: dtype torch.float32" in msg
+
+
+def test_loader_refuses_other_model_and_tampering(saved, tmp_path):
+    cfg, path, _, _ = saved
+    with pytest.raises(CheckpointError, match="differing fields"):
+        load_checkpoint(path, tiny_cfg(num_layers=2, layer_pattern=("sliding", "full")))
+    ck = _copy(path, tmp_path / "tampered")
+    _edit(ck, lambda t: t.__setitem__("model.layers.0.mlp.experts.0.gate_proj.weight",
+                                      torch.zeros_like(t["model.layers.0.mlp.experts.0.gate_proj.weight"])))
+    load_checkpoint(ck, cfg)      # shapes and dtypes still valid…
+    with pytest.raises(CheckpointError, match="content hash"):
+        load_checkpoint(ck, cfg, verify_hash=True)   # …but the content is not what was saved
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere", cfg)
+    (ck / "model-00001.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(ck, cfg)
+
+
+def test_rank_shard_generated_directly_equals_slice_of_whole():
+    cfg = tiny_cfg()
+    whole = dict(random_tensors(cfg, seed=5))
+    for rank in (0, 1):
+        tp = TPConfig(size=2, rank=rank)
+        direct = dict(random_tensors(cfg, tp, seed=5))
+        from runtime.config import make_shard
+        cut = slice_for_rank(cfg, whole, make_shard(cfg, tp))
+        assert set(direct) == set(cut)
+        bad = [k for k in direct if not torch.equal(direct[k].view(torch.uint8), cut[k].view(torch.uint8))]
+        assert not bad, bad[:3]
+    assert dict(random_tensors(cfg, TPConfig(size=2, rank=1), seed=5))["lm_head.weight"].shape == (256, 128)
+
+
+def test_q1_rank_emulation_shapes():
+    """The full q1 rank-0 shard has one rank's shapes (checked on specs, not generated on CPU)."""
+    from runtime.checkpoint import _expected
+    from runtime.config import load_model_config, make_shard
+    cfg = load_model_config("q1")
+    sh = make_shard(cfg, TPConfig(size=8, emulate_rank=0))
+    exp = _expected(cfg, sh)
+    assert exp["model.layers.0.self_attn.q_proj.weight"][0] == (6 * 128, 6144)
+    assert exp["model.layers.0.self_attn.k_proj.weight"][0] == (128, 6144)
+    assert exp["lm_head.weight"][0] == (20000, 6144)
+    assert exp["model.layers.0.mlp.experts.127.gate_proj.weight"][0] == (256, 6144)
+    assert exp["model.layers.87.mlp.experts.0.down_proj.weight_scale_inv"][0] == (48, 2)
+    nbytes = sum(torch.Size(s).numel() * torch.tensor([], dtype=d).element_size() for s, d in exp.values())
+    assert 40e9 < nbytes < 100e9, nbytes    # fits one H200 (about 139 GiB)
