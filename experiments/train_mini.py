@@ -175,10 +175,11 @@ class Block(nn.Module):
         B, T, H = x.shape
         E, I, k = cfg.num_experts, cfg.expert_width, cfg.num_experts_per_tok
         xf = x.reshape(-1, H)
-        logits = xf.to(torch.bfloat16).float() @ self.router.weight.float().T          # as the runtime routes
+        with torch.autocast(x.device.type, enabled=False):                            # FP32 routing, as the runtime
+            logits = xf.to(torch.bfloat16).float() @ self.router.weight.float().T
         top, ids = logits.topk(k, dim=-1)
         w = torch.softmax(top, dim=-1)
-        gate = torch.zeros_like(logits).scatter(1, ids, w)                              # [N, E]
+        gate = torch.zeros_like(logits).scatter(1, ids, w.to(logits.dtype))              # [N, E]
         # every expert on every row, weighted by the routing (zero for unchosen): simple and fast
         # at this size; the runtime's reference does the same for small models
         w13 = torch.cat([self.w_gate, self.w_up], dim=1).reshape(E * 2 * I, H)
@@ -327,7 +328,8 @@ def main(argv: list[str]) -> int:
                             fused=dev.type == "cuda")
     B, T, D = s["batch"], s["seq_len"], s["mtp_depths"]
     gen = torch.Generator(device="cpu").manual_seed(s["seed"])
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16,
+                         enabled=dev.type == "cuda" if s["amp"] == "auto" else bool(s["amp"]))
     w_mtp = [float(x) for x in s["mtp_weights"]][:D]
 
     def sample(data):
