@@ -4,6 +4,8 @@
 
 Data: the ``*.py`` files of the running Python's installed packages (site-packages), never the
 standard library (the claude400 traces are built from it). 1% of files (by path hash) are held out.
+A fraction ``session_frac`` of batches comes from agent sessions in the chat format built over
+site-packages (``conf/traces/mini-train.yaml``), so the model knows the request format it serves.
 Model: exactly the runtime's architecture (``conf/model/q1-mini.yaml``): RoPE, GQA with learned sinks,
 three sliding-window layers to one full layer, top-8 of 32 SwiGLU experts, the MTP draft layer sharing
 the LM head. RoPE and RMSNorm are the runtime's own functions, so export cannot drift from inference.
@@ -126,6 +128,19 @@ def build_data(s: dict, tokenizer_path: Path) -> tuple[np.ndarray, np.ndarray, d
              "val_tokens": int(val.size), "tokenize_s": round(time.time() - t0, 1),
              "bytes": sum(len(t) for t in texts)}
     return train, val, stats
+
+
+def session_stream(name: str) -> np.ndarray:
+    """Agent sessions in the chat format (a trace corpus built over site-packages, never the stdlib):
+    each session's longest request, rendered by the chat template, sessions separated by <|eos|>."""
+    from snapshots.traces import load_corpus
+    corpus = load_corpus(name)
+    last = {}
+    for r in corpus.requests:
+        if r.session_id not in last or r.n_tokens > last[r.session_id].n_tokens:
+            last[r.session_id] = r
+    parts = [np.array(corpus.tokens(r) + [2], dtype=np.int16) for _, r in sorted(last.items())]
+    return np.concatenate(parts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,6 +331,11 @@ def main(argv: list[str]) -> int:
     train, val, dstats = build_data(s, ROOT / "runtime" / "assets" / "tokenizer.json")
     log["data"] = dstats
     print(f"data: {dstats}", flush=True)
+    if s["sessions"]:
+        sess = session_stream(s["sessions"])
+        log["data"]["session_tokens"] = int(sess.size)
+        print(f"agent sessions '{s['sessions']}': {sess.size} tokens", flush=True)
+        sess_t = torch.from_numpy(sess.astype(np.int64)).to(dev)
     train_t = torch.from_numpy(train.astype(np.int64)).to(dev)
     val_t = torch.from_numpy(val.astype(np.int64)).to(dev)
     model = MiniLM(cfg).to(dev)
@@ -346,7 +366,7 @@ def main(argv: list[str]) -> int:
         lr = s["lr"] * min(1.0, (step + 1) / s["warmup_steps"]) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = sample(train_t)
+        batch = sample(sess_t) if s["sessions"] and torch.rand((), generator=gen) < s["session_frac"] else sample(train_t)
         with amp:
             ls = losses(model, batch, D, T)
             loss = ls["main"] + sum(w * ls[f"mtp{k + 1}"] for k, w in enumerate(w_mtp)) + s["aux_weight"] * ls["aux"]
