@@ -132,14 +132,13 @@ def build_data(s: dict, tokenizer_path: Path) -> tuple[np.ndarray, np.ndarray, d
 
 def session_stream(name: str) -> np.ndarray:
     """Agent sessions in the chat format (a trace corpus built over site-packages, never the stdlib):
-    each session's longest request, rendered by the chat template, sessions separated by <|eos|>."""
+    every whole session, assistant turns included and no trailing generation prompt (a stream that
+    ended in ``<|assistant|><|eos|>`` would teach the model to stop at once), separated by <|eos|>."""
+    from snapshots import chat
     from snapshots.traces import load_corpus
     corpus = load_corpus(name)
-    last = {}
-    for r in corpus.requests:
-        if r.session_id not in last or r.n_tokens > last[r.session_id].n_tokens:
-            last[r.session_id] = r
-    parts = [np.array(corpus.tokens(r) + [2], dtype=np.int16) for _, r in sorted(last.items())]
+    parts = [np.array(chat.render(msgs, generation_prompt=False) + [2], dtype=np.int16)
+             for _, msgs in sorted(corpus.sessions.items())]
     return np.concatenate(parts)
 
 
