@@ -49,6 +49,7 @@ class Generation:
     steps: list[dict]
     step_ns: list[int] = field(default_factory=list)
     prompt_len: int = 0
+    step_t0_ns: list[int] = field(default_factory=list)   # perf_counter_ns at each step's start
 
     @property
     def tokens_per_step(self) -> float:
@@ -121,10 +122,12 @@ class Engine:
             return self.model.prefill(toks, rnd.cache)
 
     def begin(self, prompt: list[int] | torch.Tensor, hidden: torch.Tensor, rnd: Round, seed: int,
-              max_new_tokens: int) -> DecodeState:
+              max_new_tokens: int, hidden_start: int = 0) -> DecodeState:
         """From target prefill results to a state ready to verify: sample the first token from the
         last prompt row, run the draft prefill over the prompt, draw the first drafts.
-        ``hidden`` are the target's hidden states of the prompt rows (from prefill or a snapshot)."""
+        ``hidden`` are the target's hidden states of prompt rows hidden_start..L-1 (from prefill: all
+        rows; from a snapshot: only the rows whose draft-layer K/V survive in the draft cache), so the
+        draft prefill runs at positions hidden_start+1..L."""
         toks = torch.as_tensor(prompt, dtype=torch.int64, device=self.device)
         L = toks.shape[0]
         st = DecodeState.empty(self.cfg.hidden_size, self.rt.sampling.top_k, max_new_tokens, seed,
@@ -138,8 +141,8 @@ class Engine:
             st.n_out.fill_(1)
             st.done.copy_((first[0] == st.stop_ids).any() | (st.n_out >= st.budget))
             # draft prefill: rows at positions 1..L combine h_{t-1} with token t
-            mtp_toks = torch.cat([toks[1:], first])
-            g = self.model.mtp_prefill(hidden.to(self.model.dtype), mtp_toks, rnd.cache, start=1)
+            mtp_toks = torch.cat([toks[1 + hidden_start:], first])
+            g = self.model.mtp_prefill(hidden.to(self.model.dtype), mtp_toks, rnd.cache, start=1 + hidden_start)
             rnd._take_draft(st, g[-1:], 1)
             self._draft_rest(st, rnd)
         return st
@@ -165,7 +168,7 @@ class Engine:
         """The eager host loop. Per step it reads the width, ``done`` and the depth decisions."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         delay = self.rt.debug.step_delay_fraction
-        step_ns = []
+        step_ns, step_t0 = [], []
         with torch.no_grad():
             while not bool(st.done):
                 w = st.width()
@@ -180,9 +183,12 @@ class Engine:
                     time.sleep(dt * delay / 1e9)
                     dt = time.perf_counter_ns() - t0
                 step_ns.append(dt)
+                step_t0.append(t0)
                 if on_step is not None:
                     on_step(len(step_ns))
-        return self.result(st, step_ns)
+        g = self.result(st, step_ns)
+        g.step_t0_ns = step_t0
+        return g
 
     def result(self, st: DecodeState, step_ns: list[int]) -> Generation:
         n_steps = int(st.step)
