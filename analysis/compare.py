@@ -1,0 +1,97 @@
+"""Several replay runs side by side, one row per run.
+
+    python -m analysis.compare RUN_DIR [RUN_DIR ...] [out=FILE.md|FILE.csv] [n_boot=2000] ...
+
+Columns: run id, revisions (control -> candidate), requests, TPOT effect with CI, tokens-per-step
+effect with CI, A/A offset with CI, verdict call and flags. A run that cannot be read or analysed
+gets a row saying why instead of stopping the comparison.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from analysis import rawio, stats, verdict
+from analysis.report import parse_cli
+
+COLUMNS = ["run", "control", "candidate", "requests", "TPOT", "tokens/step", "A/A", "verdict"]
+
+
+def _rev(arms: dict, arm: str) -> str:
+    info = arms.get(arm) or {}
+    rev, sha = str(info.get("rev", "?")), str(info.get("sha", ""))[:8]
+    dirty = "+dirty" if info.get("dirty_diff") else ""
+    return f"{rev}@{sha}{dirty}" if sha else rev
+
+
+def run_row(run_dir: str | Path, n_boot: int = 2000, seed: int = 0, alpha: float = verdict.ALPHA,
+            allow_corrupt: bool = False) -> dict:
+    """One comparison row for a run directory (never raises for a bad run: the row says why)."""
+    row = dict.fromkeys(COLUMNS, "")
+    row["run"] = str(run_dir)
+    try:
+        run = rawio.read_run(run_dir, allow_corrupt=allow_corrupt)
+        row["run"] = str(run.manifest.get("run_id") or run_dir)
+        row["control"] = _rev(run.manifest["arms"], "control")
+        row["candidate"] = _rev(run.manifest["arms"], "candidate")
+        a = stats.analyze(run, n_boot=n_boot, seed=seed, alpha=alpha)
+        v = verdict.decide(a, run.manifest, alpha=alpha)
+    except (rawio.RunDataError, ValueError) as e:
+        row["verdict"] = f"error: {str(e).splitlines()[0]}"
+        return row
+    row["requests"] = a.n_requests
+    row["TPOT"] = verdict.fmt_pct(a.effects["tpot"])
+    row["tokens/step"] = verdict.fmt_pct(a.effects["tps"])
+    row["A/A"] = verdict.fmt_pct(a.aa["tpot"]) if "tpot" in a.aa else "no A/A arm"
+    row["verdict"] = v.call + (f" ({', '.join(v.flags)})" if v.flags else "")
+    return row
+
+
+def compare(run_dirs: list[str], **kw) -> pd.DataFrame:
+    return pd.DataFrame([run_row(d, **kw) for d in run_dirs], columns=COLUMNS)
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "|".join("---" for _ in df.columns) + "|"]
+    lines += ["| " + " | ".join(esc(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+HELP = """python -m analysis.compare RUN_DIR [RUN_DIR ...] [key=value ...]
+
+One row per run: revisions, requests, TPOT effect [95% CI], tokens-per-step effect, A/A offset,
+verdict (percent changes of candidate vs control; negative TPOT is faster).
+  out=FILE            also write the table (.md: Markdown, .csv: CSV)
+  n_boot=2000         bootstrap resamples per effect
+  seed=0              bootstrap seed
+  alpha=0.05          significance level of the verdict rules
+  allow_corrupt=false skip unreadable part files instead of reporting the run as an error"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = {"out": "", "n_boot": 2000, "seed": 0, "alpha": verdict.ALPHA, "allow_corrupt": False}
+    opts, positional = parse_cli(sys.argv[1:] if argv is None else argv, defaults, HELP)
+    if opts is None:
+        return 0
+    if not positional:
+        print("expected at least one RUN_DIR\n\n" + HELP, file=sys.stderr)
+        return 2
+    out = opts.pop("out")
+    df = compare(positional, **opts)
+    text = to_markdown(df)
+    print(text, end="")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        if out.endswith(".csv"):
+            df.to_csv(out, index=False)
+        else:
+            Path(out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

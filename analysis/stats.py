@@ -1,0 +1,464 @@
+"""Paired statistics of a replay, with the request as the unit. Computes; decides nothing.
+
+Definitions (warm-up steps excluded everywhere):
+
+- per decode of a (request, arm, rep): ``duration`` = sum of step durations (``t_end_ns -
+  t_start_ns``), ``tokens`` = sum of ``emitted``, ``steps`` = number of steps;
+  TPOT = duration / tokens, step latency = duration / steps, tokens per step = tokens / steps.
+  Hence TPOT = step latency / tokens per step exactly, and on the log scale
+  ``log TPOT = log step latency - log tokens per step``.
+- per (request, arm): the mean over reps of each log metric (a geometric mean), so the identity
+  survives the averaging.
+- per request: the paired log-ratio ``log(candidate) - log(control)`` of each metric, and the same
+  for ``aa`` against control. The A/A-adjusted effect is ``log(cand/ctrl) - log(aa/ctrl)``.
+  Because the ratios are differences of the same logs, the decomposition
+  ``tpot = step - tps`` holds per request up to rounding; ``Analysis.identity_residual`` is the
+  largest violation found (it is computed, never assumed).
+
+An effect is the mean of the per-request log-ratios, with a bootstrap CI that resamples requests
+(scipy.stats.bootstrap, BCa by default, seeded numpy Generator), a Wilcoxon signed-rank p-value,
+a Hodges-Lehmann estimate with its distribution-free CI, and the minimum detectable effect at the
+observed spread (paired, two-sided alpha, power 0.8). Effects are natural-log ratios; ``pct``
+turns one into a percent change ``100 * (exp(x) - 1)``. Calibration on synthetic runs with rare
+latency spikes (tests/test_stats.py, experiments/harness_calibration.py): the 95% interval covers
+the true effect in about 93% of datasets at 50-100 requests, but only about 87% at 30 requests;
+treat intervals from a few dozen requests as optimistic.
+
+Also computed: bit-exactness per request (identical ``tokens_sha`` across arms and reps), drift
+(slope of the per-request log-ratio against run order, with CI) and the effect against context
+length (slope per doubling, and per context-length bin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import warnings
+import zlib
+
+import numpy as np
+import pandas as pd
+import scipy.stats
+
+from analysis.rawio import DECODE_KEY, RunData
+
+LEVEL = 0.95
+ALPHA = 0.05
+POWER = 0.8
+N_BOOT = 4000
+METRICS = ("tpot", "step", "tps", "steps")  # log-ratio columns of the per-request table
+METRIC_NAMES = {"tpot": "time per output token", "step": "step latency",
+                "tps": "tokens per step", "steps": "steps per request"}
+
+
+def pct(x: float) -> float:
+    """Percent change of a natural-log ratio."""
+    return 100.0 * math.expm1(x) if np.isfinite(x) else float("nan")
+
+
+# --------------------------------------------------------------------------- per decode / request
+
+def decode_metrics(steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per (request_id, arm, rep) with duration_ns, tokens, steps, tpot_ns, step_ns,
+    tokens_per_step, mean accepted, order. Decodes with no non-warm-up step are left out."""
+    s = steps.loc[~steps["warmup"].astype(bool)]
+    s = s.assign(duration_ns=(s["t_end_ns"] - s["t_start_ns"]).astype(np.float64))
+    g = s.groupby(DECODE_KEY, sort=False)
+    d = g.agg(duration_ns=("duration_ns", "sum"), tokens=("emitted", "sum"),
+              steps=("step", "size"), accepted=("accepted", "mean"),
+              order=("order", "first")).reset_index()
+    d = d[(d["tokens"] > 0) & (d["duration_ns"] > 0)]
+    d["tpot_ns"] = d["duration_ns"] / d["tokens"]
+    d["step_ns"] = d["duration_ns"] / d["steps"]
+    d["tokens_per_step"] = d["tokens"] / d["steps"]
+    return d.reset_index(drop=True)
+
+
+def request_metrics(decodes: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per (request_id, arm): mean over reps of log tpot/step/tps/steps, mean order,
+    context_len, n_reps."""
+    d = decodes.assign(log_tpot=np.log(decodes["tpot_ns"]), log_step=np.log(decodes["step_ns"]),
+                       log_tps=np.log(decodes["tokens_per_step"]),
+                       log_steps=np.log(decodes["steps"].astype(np.float64)))
+    r = d.groupby(["request_id", "arm"], sort=False).agg(
+        log_tpot=("log_tpot", "mean"), log_step=("log_step", "mean"), log_tps=("log_tps", "mean"),
+        log_steps=("log_steps", "mean"), order=("order", "mean"), n_reps=("rep", "nunique"),
+    ).reset_index()
+    ctx = requests.groupby("request_id", sort=False)["context_len"].first()
+    r["context_len"] = r["request_id"].map(ctx).astype(np.int64)
+    return r
+
+
+def paired_table(req: pd.DataFrame, arm: str, base: str = "control") -> pd.DataFrame:
+    """Per-request log-ratios arm/base for requests that have both arms, indexed by request_id."""
+    a = req[req["arm"] == arm].set_index("request_id")
+    b = req[req["arm"] == base].set_index("request_id")
+    ids = a.index.intersection(b.index)
+    a, b = a.loc[ids], b.loc[ids]
+    out = pd.DataFrame(index=ids)
+    for m in METRICS:
+        out[m] = a[f"log_{m}"] - b[f"log_{m}"]
+        out[f"{base}_log_{m}"] = b[f"log_{m}"]
+        out[f"{arm}_log_{m}"] = a[f"log_{m}"]
+    out["order"] = (a["order"] + b["order"]) / 2
+    out["context_len"] = b["context_len"]
+    out["n_reps"] = np.minimum(a["n_reps"], b["n_reps"])
+    return out
+
+
+def bit_exactness(requests: pd.DataFrame) -> pd.DataFrame:
+    """Per request: whether every decode of each pair of arms (all reps) has the same tokens_sha.
+
+    Columns: candidate (vs control), aa (vs control), control_reproducible (all control reps
+    identical); NaN where an arm is absent."""
+    shas = requests.groupby(["request_id", "arm"])["tokens_sha"].agg(lambda s: frozenset(s))
+    shas = shas.unstack("arm")
+    out = pd.DataFrame(index=shas.index)
+    ctrl = shas["control"] if "control" in shas else pd.Series(np.nan, index=shas.index)
+
+    def same(x, y):
+        if not isinstance(x, frozenset) or not isinstance(y, frozenset):
+            return np.nan
+        return float(len(x | y) == 1)
+
+    for arm in ("candidate", "aa"):
+        other = shas[arm] if arm in shas else pd.Series(np.nan, index=shas.index)
+        out[arm] = [same(x, y) for x, y in zip(ctrl, other)]
+    out["control_reproducible"] = [float(len(x) == 1) if isinstance(x, frozenset) else np.nan
+                                   for x in ctrl]
+    return out
+
+
+# --------------------------------------------------------------------------- one-sample inference
+
+# scipy >= 1.15 takes the Generator as ``rng``; older releases as ``random_state``
+_RNG_KW = "rng" if "rng" in inspect.signature(scipy.stats.bootstrap).parameters else "random_state"
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def bootstrap_ci(x, level: float = LEVEL, n_boot: int = N_BOOT,
+                 rng: np.random.Generator | int | None = 0, method: str = "BCa") -> tuple[float, float]:
+    """CI of the mean of ``x`` by resampling its elements (the requests). Degenerate input
+    (all equal) gives a zero-width interval; fewer than 2 values give NaNs."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(x) < 2:
+        return (float("nan"), float("nan"))
+    if np.all(x == x[0]):
+        return (float(x[0]), float(x[0]))
+    rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = scipy.stats.bootstrap((x,), np.mean, n_resamples=n_boot, confidence_level=level,
+                                    method=method, vectorized=True, axis=-1, **{_RNG_KW: rng})
+    lo, hi = res.confidence_interval
+    if not (np.isfinite(lo) and np.isfinite(hi)) and method.lower() == "bca":
+        return bootstrap_ci(x, level, n_boot, rng, "percentile")
+    return (float(lo), float(hi))
+
+
+def wilcoxon_p(x) -> float:
+    """Two-sided Wilcoxon signed-rank p-value of ``x`` against 0 (zeros dropped; all zero: 1)."""
+    x = np.asarray(x, dtype=np.float64)
+    if np.count_nonzero(x) == 0:
+        return 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(scipy.stats.wilcoxon(x, zero_method="wilcox").pvalue)
+
+
+def _signed_rank_cdf(n: int) -> np.ndarray:
+    """Exact null CDF of the signed-rank statistic T+ for n untied values: P(T+ <= k), k=0..M."""
+    p = np.zeros(n * (n + 1) // 2 + 1)
+    p[0] = 1.0
+    for k in range(1, n + 1):
+        shifted = np.zeros_like(p)
+        shifted[k:] = p[:-k]
+        p = 0.5 * (p + shifted)
+    return np.cumsum(p)
+
+
+def hodges_lehmann(x, level: float = LEVEL) -> tuple[float, float, float]:
+    """Hodges-Lehmann estimate (median of Walsh averages) and its signed-rank CI (exact null
+    distribution up to n=100, normal approximation beyond). With too few values for the level the
+    interval is the full range of Walsh averages."""
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    if n == 0:
+        return (float("nan"),) * 3
+    i, j = np.triu_indices(n)
+    w = np.sort((x[i] + x[j]) / 2.0)
+    m = len(w)
+    est = float(np.median(w))
+    half = (1.0 - level) / 2.0
+    if n <= 100:
+        c = int(np.count_nonzero(_signed_rank_cdf(n) <= half))
+    else:
+        z = scipy.stats.norm.ppf(1.0 - half)
+        c = int(math.floor(m / 2.0 - z * math.sqrt(n * (n + 1) * (2 * n + 1) / 24.0)))
+    if c < 1:
+        return (est, float(w[0]), float(w[-1]))
+    return (est, float(w[c - 1]), float(w[m - c]))
+
+
+def min_detectable_effect(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """Smallest true mean log-ratio a paired two-sided test at ``alpha`` finds with ``power``,
+    at spread ``sd`` of the per-request log-ratios over ``n`` requests (t approximation)."""
+    if n < 2 or not np.isfinite(sd):
+        return float("nan")
+    t = scipy.stats.t
+    return float((t.ppf(1 - alpha / 2, n - 1) + t.ppf(power, n - 1)) * sd / math.sqrt(n))
+
+
+@dataclasses.dataclass
+class Effect:
+    """Mean per-request log-ratio ``arm/base`` of one metric, with its uncertainty."""
+    metric: str
+    arm: str
+    base: str
+    n: int
+    mean: float
+    ci: tuple[float, float]
+    p: float                      # Wilcoxon signed-rank, two-sided
+    hl: float                     # Hodges-Lehmann estimate
+    hl_ci: tuple[float, float]
+    sd: float                     # spread of the per-request log-ratios
+    mde: float                    # minimum detectable |mean| (alpha, power 0.8)
+    before: float                 # geometric mean of the metric in ``base`` over the same requests
+    after: float                  # ... in ``arm``
+    level: float = LEVEL
+
+    @property
+    def ratio(self) -> float:
+        return math.exp(self.mean)
+
+    @property
+    def pct(self) -> float:
+        return pct(self.mean)
+
+    @property
+    def pct_ci(self) -> tuple[float, float]:
+        return (pct(self.ci[0]), pct(self.ci[1]))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(ratio=self.ratio, pct=self.pct, pct_ci=list(self.pct_ci),
+                 hl_pct=pct(self.hl), hl_pct_ci=[pct(v) for v in self.hl_ci], mde_pct=pct(self.mde))
+        d["ci"], d["hl_ci"] = list(self.ci), list(self.hl_ci)
+        return d
+
+
+def summarize(x, metric: str, arm: str, base: str, before_logs=None, after_logs=None,
+              level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,
+              method: str = "BCa", alpha: float = ALPHA) -> Effect:
+    """Every statistic of one set of per-request log-ratios ``x``."""
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    sd = float(np.std(x, ddof=1)) if n > 1 else float("nan")
+    hl, hlo, hhi = hodges_lehmann(x, level)
+    gm = lambda v: float(np.exp(np.mean(v))) if v is not None and len(v) else float("nan")  # noqa: E731
+    return Effect(metric=metric, arm=arm, base=base, n=n,
+                  mean=float(np.mean(x)) if n else float("nan"),
+                  ci=bootstrap_ci(x, level, n_boot, _rng(seed, f"{arm}/{base}/{metric}"), method),
+                  p=wilcoxon_p(x) if n else float("nan"), hl=hl, hl_ci=(hlo, hhi), sd=sd,
+                  mde=min_detectable_effect(sd, n, alpha), before=gm(before_logs),
+                  after=gm(after_logs), level=level)
+
+
+# --------------------------------------------------------------------------- regressions
+
+@dataclasses.dataclass
+class Slope:
+    """Least-squares slope of per-request values against ``x`` (other covariates held fixed)."""
+    y: str
+    x: str
+    n: int
+    slope: float
+    ci: tuple[float, float]
+    p: float
+    x_span: float                 # max(x) - min(x): slope * x_span is the change over the data
+
+    @property
+    def total(self) -> float:
+        return self.slope * self.x_span
+
+    @property
+    def total_ci(self) -> tuple[float, float]:
+        return (self.ci[0] * self.x_span, self.ci[1] * self.x_span)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(ci=list(self.ci), total=self.total, total_ci=list(self.total_ci),
+                 total_pct=pct(self.total), total_pct_ci=[pct(v) for v in self.total_ci])
+        return d
+
+
+def ols_slope(y, x, covariates=None, level: float = LEVEL, y_name: str = "y",
+              x_name: str = "x") -> Slope:
+    """OLS slope of y on x (plus optional covariate columns), classical t-interval."""
+    y = np.asarray(y, dtype=np.float64)
+    x = np.asarray(x, dtype=np.float64)
+    cols = [np.ones_like(x), x] + ([np.asarray(c, dtype=np.float64) for c in covariates]
+                                   if covariates is not None else [])
+    X = np.column_stack(cols)
+    n, k = X.shape
+    span = float(np.ptp(x)) if n else float("nan")
+    if n <= k or span == 0:
+        return Slope(y_name, x_name, n, float("nan"), (float("nan"),) * 2, float("nan"), span)
+    beta, *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ beta
+    s2 = float(resid @ resid) / (n - k)
+    cov = s2 * np.linalg.pinv(X.T @ X)
+    se = math.sqrt(max(cov[1, 1], 0.0))
+    tcrit = scipy.stats.t.ppf(0.5 + level / 2, n - k)
+    b = float(beta[1])
+    p = float(2 * scipy.stats.t.sf(abs(b) / se, n - k)) if se > 0 else (1.0 if b == 0 else 0.0)
+    return Slope(y_name, x_name, n, b, (float(b - tcrit * se), float(b + tcrit * se)), p, span)
+
+
+def robust_slope(y, x, level: float = LEVEL, y_name: str = "y", x_name: str = "x") -> Slope:
+    """Theil-Sen slope of y on x with its CI (one outlying request cannot tilt it), and the
+    Kendall-tau p-value of the trend."""
+    y = np.asarray(y, dtype=np.float64)
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    span = float(np.ptp(x)) if n else float("nan")
+    if n < 3 or span == 0:
+        return Slope(y_name, x_name, n, float("nan"), (float("nan"),) * 2, float("nan"), span)
+    res = scipy.stats.theilslopes(y, x, alpha=level)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = float(scipy.stats.kendalltau(x, y).pvalue)
+    return Slope(y_name, x_name, n, float(res.slope), (float(res.low_slope), float(res.high_slope)),
+                 p if np.isfinite(p) else 1.0, span)
+
+
+def context_bins(table: pd.DataFrame, column: str = "tpot", n_bins: int = 4, level: float = LEVEL,
+                 n_boot: int = N_BOOT, seed: int = 0) -> pd.DataFrame:
+    """Mean log-ratio per context-length quantile bin, with bootstrap CIs."""
+    n_bins = max(1, min(n_bins, len(table) // 10))
+    q = pd.qcut(table["context_len"], n_bins, duplicates="drop") if n_bins > 1 else None
+    rows = []
+    groups = table.groupby(q, observed=True) if q is not None else [("all", table)]
+    for k, (_, t) in enumerate(groups):
+        x = t[column].to_numpy()
+        lo, hi = bootstrap_ci(x, level, n_boot, _rng(seed, f"ctxbin{k}"), "percentile")
+        rows.append({"context_min": int(t["context_len"].min()), "context_max": int(t["context_len"].max()),
+                     "n": len(x), "mean": float(np.mean(x)), "lo": lo, "hi": hi,
+                     "pct": pct(float(np.mean(x))), "pct_lo": pct(lo), "pct_hi": pct(hi)})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- the whole run
+
+@dataclasses.dataclass
+class Analysis:
+    run_id: str
+    arms: list[str]
+    n_requests: int                          # requests paired candidate/control
+    effects: dict[str, Effect]               # candidate vs control, by metric
+    aa: dict[str, Effect]                    # aa vs control, by metric (empty without an aa arm)
+    adjusted: Effect | None                  # per request tpot(cand/ctrl) - tpot(aa/ctrl)
+    identity_residual: float                 # max |tpot - (step - tps)| over requests and arms
+    bit_exact: dict                          # counts and differing request ids
+    drift: dict[str, Slope]                  # effect / aa / environment vs run order
+    context_slope: Slope | None              # tpot log-ratio per doubling of context
+    context_bins: pd.DataFrame
+    per_request: pd.DataFrame
+    decodes: pd.DataFrame
+    settings: dict
+    n_unpaired: int = 0                      # requests left out: no decode of control or candidate
+
+    def to_dict(self) -> dict:
+        return {
+            "run_id": self.run_id, "arms": self.arms, "n_requests": self.n_requests,
+            "n_unpaired": self.n_unpaired,
+            "effects": {k: v.to_dict() for k, v in self.effects.items()},
+            "aa": {k: v.to_dict() for k, v in self.aa.items()},
+            "adjusted": self.adjusted.to_dict() if self.adjusted else None,
+            "identity_residual": self.identity_residual, "bit_exact": self.bit_exact,
+            "drift": {k: v.to_dict() for k, v in self.drift.items()},
+            "context_slope": self.context_slope.to_dict() if self.context_slope else None,
+            "context_bins": self.context_bins.to_dict(orient="records"),
+            "settings": self.settings,
+        }
+
+
+def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,
+            method: str = "BCa", alpha: float = ALPHA) -> Analysis:
+    """All statistics of one run. Raises ValueError when no request has both control and candidate."""
+    decodes = decode_metrics(run.steps)
+    req = request_metrics(decodes, run.requests)
+    arms = [a for a in ("control", "candidate", "aa") if (req["arm"] == a).any()]
+    if "control" not in arms or "candidate" not in arms:
+        raise ValueError(f"run {run.manifest.get('run_id')}: needs decodes of control and "
+                         f"candidate, found arms {arms}")
+    kw = dict(level=level, n_boot=n_boot, seed=seed, method=method, alpha=alpha)
+    cand = paired_table(req, "candidate")
+    if len(cand) == 0:
+        raise ValueError("no request has decodes of both control and candidate")
+    effects = {m: summarize(cand[m], m, "candidate", "control", cand[f"control_log_{m}"],
+                            cand[f"candidate_log_{m}"], **kw) for m in METRICS}
+    residual = float(np.max(np.abs(cand["tpot"] - (cand["step"] - cand["tps"]))))
+
+    per = pd.DataFrame({"request_id": cand.index, "context_len": cand["context_len"].to_numpy(),
+                        "order": cand["order"].to_numpy(), "n_reps": cand["n_reps"].to_numpy()})
+    for m in METRICS:
+        per[m] = cand[m].to_numpy()
+    per["control_tpot_ns"] = np.exp(cand["control_log_tpot"].to_numpy())
+    per["candidate_tpot_ns"] = np.exp(cand["candidate_log_tpot"].to_numpy())
+    per = per.set_index("request_id")
+
+    aa, adjusted, drift = {}, None, {}
+    if "aa" in arms:
+        aat = paired_table(req, "aa")
+        aa = {m: summarize(aat[m], m, "aa", "control", aat[f"control_log_{m}"],
+                           aat[f"aa_log_{m}"], **kw) for m in ("tpot", "step", "tps")}
+        residual = max(residual, float(np.max(np.abs(aat["tpot"] - (aat["step"] - aat["tps"])))))
+        for m in ("tpot", "step", "tps"):
+            per[f"aa_{m}"] = aat[m].reindex(per.index)
+        per["aa_tpot_ns"] = np.exp(aat["aa_log_tpot"]).reindex(per.index)
+        per["adj_tpot"] = per["tpot"] - per["aa_tpot"]
+        both = per["adj_tpot"].dropna()
+        cand_vs_aa = req[req["arm"].isin(["candidate", "aa"])]
+        ca = paired_table(cand_vs_aa, "candidate", "aa").reindex(both.index)
+        adjusted = summarize(both, "tpot", "candidate", "aa(adjusted)", ca["aa_log_tpot"],
+                             ca["candidate_log_tpot"], **kw)
+        if len(aat) > 2:
+            drift["aa"] = robust_slope(aat["tpot"], aat["order"], level=level,
+                                    y_name="log TPOT ratio aa/control", x_name="run order")
+
+    be = bit_exactness(run.requests).reindex(per.index)
+    per["bit_exact"] = be["candidate"]
+    per["aa_bit_exact"] = be["aa"]
+    cand_diff = per.index[per["bit_exact"] == 0].tolist()
+    bit = {"n_requests": int(per["bit_exact"].notna().sum()),
+           "candidate_exact": int((per["bit_exact"] == 1).sum()),
+           "aa_exact": int((per["aa_bit_exact"] == 1).sum()),
+           "aa_compared": int(per["aa_bit_exact"].notna().sum()),
+           "control_reproducible": int((be["control_reproducible"] == 1).sum()),
+           "differing": cand_diff[:50], "n_differing": len(cand_diff),
+           "aa_differing": per.index[per["aa_bit_exact"] == 0].tolist()[:50]}
+
+    if len(cand) > 2:
+        drift["effect"] = robust_slope(cand["tpot"], cand["order"], level=level,
+                                    y_name="log TPOT ratio candidate/control", x_name="run order")
+        drift["environment"] = ols_slope(cand["control_log_step"], cand["order"],
+                                         [np.log(cand["context_len"].astype(np.float64))], level=level,
+                                         y_name="log control step latency (context held fixed)",
+                                         x_name="run order")
+    ctx_slope = (robust_slope(cand["tpot"], np.log2(cand["context_len"].astype(np.float64)), level=level,
+                           y_name="log TPOT ratio candidate/control", x_name="log2 context length")
+                 if len(cand) > 2 else None)
+    bins = context_bins(per, "tpot", level=level, n_boot=n_boot, seed=seed)
+    return Analysis(
+        run_id=str(run.manifest.get("run_id", "")), arms=arms, n_requests=len(cand),
+        effects=effects, aa=aa, adjusted=adjusted, identity_residual=residual, bit_exact=bit,
+        drift=drift, context_slope=ctx_slope, context_bins=bins, per_request=per,
+        decodes=decodes, settings={"level": level, "n_boot": n_boot, "seed": seed,
+                                   "method": method, "alpha": alpha},
+        n_unpaired=int(req["request_id"].nunique() - len(cand)),
+    )

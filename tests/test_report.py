@@ -1,0 +1,182 @@
+"""Run directories on disk: reading and validation (rawio), the report and the comparison CLIs."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis import compare, rawio, report, synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run") / "faster"
+    synthetic.write_run(d, synthetic.SyntheticSpec(seed=1, n_requests=40, latency_effect=-0.03,
+                                                   output_max=128), parts=3)
+    return d
+
+
+def external_references(page: str) -> list[str]:
+    """src/href attributes and url() references that point outside the page."""
+    refs = re.findall(r"""(?:src|href)\s*=\s*["']?([^"'\s>]+)""", page, flags=re.I)
+    refs += re.findall(r"url\(([^)]*)\)", page, flags=re.I)
+    return [r for r in refs if not r.startswith("data:") and not r.startswith("#")]
+
+
+def test_external_reference_check_can_fail():
+    assert external_references('<img src="plots/a.png"><link href="https://x/y.css">') == [
+        "plots/a.png", "https://x/y.css"]
+    assert external_references('<img src="data:image/png;base64,AAAA">') == []
+
+
+def test_report_is_self_contained_with_plots_and_headline(run_dir):
+    assert report.main([str(run_dir), "n_boot=500"]) == 0
+    out = run_dir / "report"
+    page = (out / "report.html").read_text()
+    assert external_references(page) == []
+    imgs = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(imgs) == 5 and all(len(i) > 1000 for i in imgs)
+    summary = json.loads((out / "summary.json").read_text())
+    headline = summary["verdict"]["headline"]
+    assert summary["verdict"]["call"] == "faster"
+    assert headline.startswith("candidate is ") and "faster per output token" in headline
+    assert html.escape(headline) in page
+    md = (out / "report.md").read_text()
+    assert headline in md and "| time per output token |" in md
+    for name in ("effects_sorted", "effect_vs_context", "latency_by_width", "accepted_hist", "drift"):
+        assert (out / "plots" / f"{name}.png").stat().st_size > 1000
+        assert f"plots/{name}.png" in md
+    per = pd.read_csv(out / "per_request.csv")
+    assert len(per) == 40 and {"tpot", "step", "tps", "bit_exact"} <= set(per.columns)
+
+
+def test_report_cli_subprocess_and_help(run_dir, tmp_path, capsys):
+    assert report.main(["--help"]) == 0 and "n_boot=" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown option 'bogus'"):
+        report.main([str(run_dir), "bogus=1"])
+    assert report.main([]) == 2
+    r = subprocess.run([sys.executable, "-m", "analysis.report", str(run_dir), f"out={tmp_path}/rep",
+                        "n_boot=300", "mlflow=false"], cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("candidate is ")
+    assert (tmp_path / "rep" / "report.html").is_file()
+
+
+def test_compare_one_row_per_run(run_dir, tmp_path, capsys):
+    other = tmp_path / "aa"
+    synthetic.write_run(other, synthetic.SyntheticSpec(seed=2, n_requests=30, aa_offset=0.04,
+                                                       output_max=128))
+    missing = tmp_path / "missing"
+    assert compare.main([str(run_dir), str(other), str(missing), "n_boot=300",
+                         f"out={tmp_path}/cmp.csv"]) == 0
+    df = pd.read_csv(tmp_path / "cmp.csv")
+    assert len(df) == 3
+    assert df.loc[0, "verdict"] == "faster" and df.loc[1, "verdict"].startswith("unstable")
+    assert df.loc[2, "verdict"].startswith("error:")
+    assert "| run | control | candidate |" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- rawio
+
+def test_reads_all_part_files(run_dir):
+    run = rawio.read_run(run_dir, tokens=True)
+    assert len(list((run_dir / "steps").glob("*.parquet"))) == 3
+    assert run.requests.shape[0] == 40 * 3
+    assert run.steps.groupby(["request_id", "arm"]).ngroups == 120
+    assert (run.steps["tokens"].map(len) == run.steps["emitted"]).all()
+    assert run.problems == []
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("report"))
+    return dst
+
+
+def test_corrupt_part_file_is_a_clear_error(run_dir, tmp_path):
+    d = _copy_run(run_dir, tmp_path / "corrupt")
+    part = d / "steps" / "part-00002.parquet"
+    part.write_bytes(part.read_bytes()[:200])  # a write cut short
+    with pytest.raises(rawio.RunDataError, match="part-00002.parquet: unreadable"):
+        rawio.read_run(d)
+    run = rawio.read_run(d, allow_corrupt=True)
+    assert any("part-00002.parquet" in p for p in run.problems)
+    # the request rows whose steps were lost are dropped, nothing else
+    assert any("request rows without any step rows" in p for p in run.problems)
+    assert run.steps.groupby(["request_id", "arm", "rep"]).ngroups == len(run.requests)
+
+
+def test_schema_errors_name_the_problem(run_dir, tmp_path):
+    d = _copy_run(run_dir, tmp_path / "schema")
+    part = d / "steps" / "part-00000.parquet"
+    df = pd.read_parquet(part)
+    df.drop(columns=["accepted"]).to_parquet(part)
+    with pytest.raises(rawio.RunDataError, match=r"missing columns \['accepted'\]"):
+        rawio.read_run(d)
+    df.assign(width=df["width"] + 5).to_parquet(part)
+    with pytest.raises(rawio.RunDataError, match="width outside 4..8"):
+        rawio.read_run(d)
+    df.assign(arm="treatment").to_parquet(part)
+    with pytest.raises(rawio.RunDataError, match="arm not in"):
+        rawio.read_run(d)
+    (d / "manifest.json").write_text("{not json")
+    with pytest.raises(rawio.RunDataError, match="manifest.json: not valid JSON"):
+        rawio.read_run(d)
+
+
+def test_interrupted_and_resumed_decodes(run_dir, tmp_path):
+    """An interrupted decode (steps, no request row) and a re-run of a decode (same key, new order)
+    are reconciled: only the completed attempt counts."""
+    d = _copy_run(run_dir, tmp_path / "resumed")
+    steps = pd.read_parquet(d / "steps" / "part-00002.parquet")
+    reqs = pd.read_parquet(d / "requests" / "part-00002.parquet")
+    last = int(reqs["order"].max())
+    first_key = reqs.iloc[0]
+    # attempt 1 of a decode, cut off: its steps were written, its request row never was
+    cut = steps[steps["order"] == first_key["order"]].head(3).assign(order=last + 1)
+    # interrupted decode of a new order with no request row at all
+    orphan = steps[steps["order"] == first_key["order"]].assign(order=last + 2, request_id="req-orphan")
+    pd.concat([cut, orphan]).to_parquet(d / "steps" / "part-00003.parquet", index=False)
+    manifest = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps(dict(manifest, status="interrupted")))
+    run = rawio.read_run(d)
+    assert run.requests.shape[0] == 120
+    assert not (run.steps["order"] > last).any()
+    assert any("incomplete or superseded" in p for p in run.problems)
+    assert any("interrupted" in p for p in run.problems)
+
+
+# ----------------------------------------------------------------------------- MLflow
+
+def test_mlflow_missing_is_tolerated(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    msg = report.log_to_mlflow({"mlflow": {"run_id": "abc"}}, tmp_path)
+    assert "not importable" in msg
+    assert "no MLflow run id" in report.log_to_mlflow({}, tmp_path)
+
+
+def test_report_logged_to_mlflow(run_dir, tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("report-test", artifact_location=str(tmp_path / "artifacts"))
+    run_id = client.create_run(exp).info.run_id
+    d = _copy_run(run_dir, tmp_path / "tracked")
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["mlflow"] = {"run_id": run_id, "tracking_uri": uri}
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    res = report.build_report(d, n_boot=300)
+    assert res["mlflow"] == f"logged to MLflow run {run_id}"
+    names = {f.path for f in client.list_artifacts(run_id, "report")}
+    assert {"report/report.html", "report/report.md", "report/summary.json"} <= names
