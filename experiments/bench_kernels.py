@@ -1,0 +1,389 @@
+"""Microbenchmark of the decode-round Triton kernels (issue 7) against their memory floor.
+
+One command on the GPU machine (from the repository root):
+
+    PYTHONUNBUFFERED=1 python3 experiments/bench_kernels.py            # add --no-sweep to skip variants
+
+For every kernel and shape it prints and records:
+* time: the median per call of CUDA-graph replays (graph_us; the way the runtime launches them:
+  one graph holds one call per rotating input set, so no input is served from L2 by a previous
+  call) and, as a cross-check, triton.testing.do_bench's median of eager calls (eager_us; it
+  clears L2 before every call, and includes the launch overhead);
+* bytes: the minimum traffic (each input read once, each output written once; attention: only the
+  valid KV extent; MoE: only the distinct experts' weights and scales);
+* frac: bytes / time as a fraction of the device-to-device copy bandwidth measured in the same run
+  (torch copy of a 2 GiB buffer, bytes read + written);
+* the same for the eager torch reference at the same shapes (ref_us, ref_frac).
+Full results go to $OUT/bench_kernels.json and .csv when OUT is set; a short table comes last.
+
+``--dry-run`` runs the whole script on the CPU at toy shapes through the Triton interpreter, with
+wall-clock "timings" that mean nothing: it only checks that the script works before GPU time is
+spent on it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+DRY_RUN = "--dry-run" in sys.argv
+if DRY_RUN:  # before triton is imported: its own library functions must be interpreted too
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+if DRY_RUN:
+    from tests.kernels import _interp  # noqa: E402
+
+    _interp.install()
+
+from runtime.kernels import attention as A  # noqa: E402
+from runtime.kernels import moe as M  # noqa: E402
+from runtime.kernels import norm as N  # noqa: E402
+from runtime.kernels import sampler as S  # noqa: E402
+
+DEV = torch.device("cpu" if DRY_RUN else "cuda")
+ROWS: list[dict] = []
+
+# Shapes: the q1 rank-emulation shard (and q1-mini where asked); toy shapes for --dry-run.
+ATTN = dict(nh=6, nkv=1, d=128, window=4096, contexts=(4096, 16384, 65536, 196608), widths=(4, 6, 8),
+            ring_start=100000, sweep_min_ctx=65536)
+MOE = dict(H=6144, I=256, E=128, w=6, realistic=38, sets=3)
+NORM = dict(shapes=((6144, 8), (256, 8)))
+SAMPLER = dict(vocabs=(20000, 4096), w=8)
+if DRY_RUN:
+    ATTN.update(d=64, window=128, contexts=(256, 1024), widths=(4, 8), ring_start=1000, sweep_min_ctx=1024)
+    MOE.update(H=256, I=128, E=64, realistic=30, sets=2)
+    NORM.update(shapes=((256, 8),))
+    SAMPLER.update(vocabs=(4096,), w=4)
+
+
+# ----------------------------------------------------------------------------------- timing
+def copy_bandwidth(nbytes=2 * 2**30, reps=10):
+    if DRY_RUN:
+        nbytes, reps = 2**24, 2
+    a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ts = []
+    for _ in range(reps):
+        if DRY_RUN:
+            t0 = time.perf_counter()
+            b.copy_(a)
+            ts.append(time.perf_counter() - t0)
+            continue
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    del a, b
+    if not DRY_RUN:
+        torch.cuda.empty_cache()
+    t = statistics.median(ts)
+    return 2 * nbytes / t, t
+
+
+def graph_time(calls, reps=25):
+    """Median seconds per call over replays of one graph holding every call once."""
+    if DRY_RUN:
+        t0 = time.perf_counter()
+        for c in calls[:2]:
+            c()
+        t = (time.perf_counter() - t0) / min(2, len(calls))
+        return t, t, t
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(reps)]
+    for e0, e1 in evs:
+        e0.record()
+        g.replay()
+        e1.record()
+    torch.cuda.synchronize()
+    ts = sorted(e0.elapsed_time(e1) * 1e-3 / len(calls) for e0, e1 in evs)
+    del g
+    return statistics.median(ts), ts[0], ts[-1]
+
+
+def eager_time(calls, warmup=10, rep=40):
+    if DRY_RUN:
+        t0 = time.perf_counter()
+        calls[0]()
+        return time.perf_counter() - t0
+    it = itertools.cycle(calls)
+    return triton.testing.do_bench(lambda: next(it)(), warmup=warmup, rep=rep,
+                                   return_mode="median") * 1e-3
+
+
+def n_sets(bytes_per_set, l2, cap=128):
+    return int(min(cap, max(2, math.ceil(3 * l2 / max(bytes_per_set, 1)))))
+
+
+def record(kernel, shape, variant, calls, nbytes, copy_bw, ref_calls=None, eager=True, **extra):
+    t, tmin, tmax = graph_time(calls)
+    row = dict(kernel=kernel, shape=shape, variant=variant, graph_us=t * 1e6, graph_min_us=tmin * 1e6,
+               graph_max_us=tmax * 1e6, bytes=nbytes, frac=nbytes / t / copy_bw, sets=len(calls))
+    if eager:
+        te = eager_time(calls)
+        row.update(eager_us=te * 1e6, eager_frac=nbytes / te / copy_bw)
+    if ref_calls is not None:
+        tr = eager_time(ref_calls, warmup=5, rep=30)
+        row.update(ref_us=tr * 1e6, ref_frac=nbytes / tr / copy_bw)
+    row.update(extra)
+    ROWS.append(row)
+    msg = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+    print(msg, flush=True)
+    return row
+
+
+# -------------------------------------------------------------------------------- attention
+def _k(n):
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def bench_attention(copy_bw, l2, sweep):
+    nh, nkv, d, window = ATTN["nh"], ATTN["nkv"], ATTN["d"], ATTN["window"]
+    slots = window + 64
+    configs = [("default", {})]
+    if sweep:
+        configs += [(f"bn{bn}_st{st}_w{nw}_spm{spm}",
+                     dict(block_n=bn, num_stages=st, num_warps=nw, num_splits=spm * A_SMS[0]))
+                    for bn, st, nw, spm in [(64, 4, 4, 1), (64, 3, 4, 2), (64, 3, 8, 1),
+                                            (128, 2, 8, 1), (128, 3, 8, 1), (64, 2, 4, 2)]]
+    cases = [("full", ctx) for ctx in ATTN["contexts"]] + [("ring", None)]
+    for mode, ctx in cases:
+        for w in ATTN["widths"]:
+            if mode == "full":
+                start = ctx - w
+                n_keys = ctx
+                cap = ctx + 64
+            else:
+                start = ATTN["ring_start"]
+                n_keys = window + w - 1
+                cap = slots
+            kv_bytes = 2 * nkv * n_keys * d * 2
+            io_bytes = 2 * w * nh * d * 2 + nh * 4 + 4
+            sets = n_sets(2 * nkv * cap * d * 2, l2)
+            data = []
+            for _ in range(sets):
+                q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
+                k = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
+                v = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
+                sinks = torch.randn(nh, device=DEV) + math.log(n_keys)
+                sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+                data.append((q, k, v, sinks, sp, torch.empty_like(q)))
+            ref_calls = [
+                (lambda q=q, k=k, v=v, s=s: A.attention_reference(
+                    q, k, v, start, s, window=None if mode == "full" else window,
+                    ring=mode == "ring", dtype=torch.float32))
+                for q, k, v, s, _, _ in data[:2]]
+            shape = (f"full{_k(ctx)}_w{w}" if mode == "full" else f"ring{_k(window)}_w{w}")
+            for name, cfg in configs:
+                if name != "default" and not (w == 8 and (mode == "ring" or ctx >= ATTN["sweep_min_ctx"])):
+                    continue
+                calls = [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o: A._launch(
+                    q, k, v, sp, s, o, ring=mode == "ring", window=window if mode == "ring" else 0,
+                    num_splits=cfg.get("num_splits"), block_n=cfg.get("block_n"),
+                    num_stages=cfg.get("num_stages"), num_warps=cfg.get("num_warps")))
+                    for q, k, v, s, sp, o in data]
+                record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
+                       ref_calls=ref_calls if name == "default" else None,
+                       eager=name == "default", w=w, keys=n_keys)
+            del data, ref_calls
+            if not DRY_RUN:
+                torch.cuda.empty_cache()
+
+
+A_SMS = [132]
+
+
+# -------------------------------------------------------------------------------------- MoE
+def routing(w, E, distinct, seed):
+    """topk_ids [w, 8] (distinct per row) whose union has exactly `distinct` experts."""
+    g = torch.Generator().manual_seed(seed)
+    if distinct == w * 8:
+        return torch.randperm(E, generator=g)[: w * 8].view(w, 8).to(torch.int32)
+    pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 0.6  # skewed popularity
+    pop = pop[torch.randperm(E, generator=g)]
+    for _ in range(100000):
+        ids = torch.stack([torch.multinomial(pop, 8, replacement=False, generator=g)
+                           for _ in range(w)])
+        if ids.unique().numel() == distinct:
+            return ids.to(torch.int32)
+    raise RuntimeError("no routing with the requested distinct count")
+
+
+def bench_moe(copy_bw, l2, sweep):
+    H, I, E, w = MOE["H"], MOE["I"], MOE["E"], MOE["w"]
+    expert_bytes = 2 * I * H + H * I + (2 * I // 128) * (H // 128) * 4 + (H // 128) * (I // 128) * 4
+    sets = MOE["sets"]  # 3 x 576 MiB of expert weights: far beyond the 60 MB L2
+    weights = []
+    for _ in range(sets):
+        w13 = torch.randn(E, 2 * I, H, device=DEV).to(torch.float8_e4m3fn)
+        s13 = (torch.rand(E, 2 * I // 128, H // 128, device=DEV) + 0.5) / math.sqrt(H)
+        w2 = torch.randn(E, H, I, device=DEV).to(torch.float8_e4m3fn)
+        s2 = (torch.rand(E, H // 128, I // 128, device=DEV) + 0.5) / math.sqrt(I)
+        weights.append((w13, s13, w2, s2))
+    for label, distinct in ((f"realistic{MOE['realistic']}", MOE["realistic"]), (f"distinct{w * 8}", w * 8)):
+        data = []
+        for i, wt in enumerate(weights):
+            ids = routing(w, E, distinct, seed=i).to(DEV)
+            tw = torch.rand(w, 8, device=DEV) + 0.05
+            tw = tw / tw.sum(1, keepdim=True)
+            x = torch.randn(w, H, device=DEV).to(torch.bfloat16)
+            data.append((x, ids, tw, wt, torch.empty(w, H, device=DEV, dtype=torch.bfloat16)))
+        nbytes = distinct * expert_bytes + 2 * w * H * 2 + w * 8 * 8
+        ref_calls = [(lambda x=x, ids=ids, tw=tw, wt=wt: M.moe_reference(x, ids, tw, *wt))
+                     for x, ids, tw, wt, _ in data[:2]]
+        variants = [("default", {})]
+        if sweep and distinct == MOE["realistic"]:
+            variants += [(f"gu{a}_down{b}", dict(gu_num_stages=a, down_num_stages=b))
+                         for a, b in [(3, 2), (6, 2), (8, 2), (4, 3), (6, 3)]]
+        for name, kw in variants:
+            calls = [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, kw=kw: M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
+                     for x, ids, tw, wt, o in data]
+            record("moe", f"H{H}_I{I}_E{E}_w{w}_{label}", name, calls, nbytes, copy_bw,
+                   ref_calls=ref_calls if name == "default" else None, eager=name == "default",
+                   distinct=distinct)
+        del data, ref_calls
+    del weights
+    if not DRY_RUN:
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------- norm
+def torch_add_rmsnorm(x, res, wt, eps):
+    res.add_(x)
+    r = res.float()
+    return (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * wt.float()).to(torch.bfloat16)
+
+
+def bench_norm(copy_bw, l2, sweep):
+    for H, w in NORM["shapes"]:
+        nbytes = w * H * 2 * 4 + H * 2
+        sets = n_sets(nbytes, l2, cap=256)
+        data = [(torch.randn(w, H, device=DEV).to(torch.bfloat16),
+                 torch.randn(w, H, device=DEV).to(torch.bfloat16),
+                 (torch.rand(H, device=DEV) + 0.5).to(torch.bfloat16),
+                 torch.empty(w, H, device=DEV, dtype=torch.bfloat16)) for _ in range(sets)]
+        calls = [(lambda x=x, r=r, wt=wt, o=o: N.fused_add_rmsnorm(x, r, wt, 1e-6, o))
+                 for x, r, wt, o in data]
+        ref_calls = [(lambda x=x, r=r, wt=wt: torch_add_rmsnorm(x, r, wt, 1e-6))
+                     for x, r, wt, _ in data[:4]]
+        record("norm", f"H{H}_w{w}", "default", calls, nbytes, copy_bw, ref_calls=ref_calls)
+
+
+# ---------------------------------------------------------------------------------- sampler
+def bench_sampler(copy_bw, l2, sweep):
+    w = SAMPLER["w"]
+    for V in SAMPLER["vocabs"]:
+        nbytes = w * V * 4 + w * 4 + w * 20 * 8 + w * 8
+        sets = n_sets(w * V * 4, l2, cap=192)
+        data = []
+        for _ in range(sets):
+            logits = torch.randn(w, V, device=DEV) * 3
+            u = torch.rand(w, device=DEV)
+            outs = (torch.empty(w, 20, dtype=torch.int32, device=DEV),
+                    torch.empty(w, 20, dtype=torch.float32, device=DEV),
+                    torch.empty(w, dtype=torch.int32, device=DEV),
+                    torch.empty(w, dtype=torch.int32, device=DEV))
+            data.append((logits, u, outs))
+        ref_calls = [(lambda lg=lg, u=u: S.sample_reference(lg, u, 1.0)) for lg, u, _ in data[:4]]
+        variants = [("default", {})]
+        if sweep:
+            variants.append((f"bitonic={not S.SELECT_BITONIC}", dict(bitonic=not S.SELECT_BITONIC)))
+        for name, kw in variants:
+            calls = [(lambda lg=lg, u=u, o=o, kw=kw: S.sample_topk_topp(lg, u, 1.0, out=o, **kw))
+                     for lg, u, o in data]
+            record("sampler", f"V{V}_w{w}", name, calls, nbytes, copy_bw,
+                   ref_calls=ref_calls if name == "default" else None, eager=name == "default")
+
+
+# ------------------------------------------------------------------------------------- main
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants")
+    ap.add_argument("--only", default="attention,moe,norm,sampler")
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy shapes (script check)")
+    args = ap.parse_args()
+    sweep = not args.no_sweep
+    if DRY_RUN:
+        A_SMS[0], l2, name = 4, 2**20, "cpu (dry run: timings mean nothing)"
+    else:
+        props = torch.cuda.get_device_properties(DEV)
+        A_SMS[0], l2, name = props.multi_processor_count, getattr(props, "L2_cache_size", 50 * 2**20), props.name
+    env = dict(device=name, sms=A_SMS[0], l2_bytes=l2,
+               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+               time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    print("env", env, flush=True)
+    copy_bw, copy_t = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (2 GiB copy, read+write, {copy_t * 1e3:.3f} ms)",
+          flush=True)
+    benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, sampler=bench_sampler)
+    t0 = time.time()
+    for name in args.only.split(","):
+        t = time.time()
+        benches[name](copy_bw, l2, sweep)
+        print(f"[{name} done in {time.time() - t:.1f}s]", flush=True)
+    copy_bw2, _ = copy_bandwidth()
+    env.update(copy_bw=copy_bw, copy_bw_end=copy_bw2, wall_s=time.time() - t0)
+
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_kernels.json"), "w") as f:
+            json.dump(dict(env=env, rows=ROWS), f, indent=1)
+        keys = sorted({k for r in ROWS for k in r})
+        with open(os.path.join(out, "bench_kernels.csv"), "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=keys)
+            wr.writeheader()
+            wr.writerows(ROWS)
+
+    print(f"\ncopy bandwidth {copy_bw / 1e12:.3f} TB/s (end of run: {copy_bw2 / 1e12:.3f})")
+    print(f"{'kernel':9s} {'shape':30s} {'variant':22s} {'graph_us':>9s} {'frac':>6s} "
+          f"{'eager_us':>9s} {'ref_us':>9s} {'ref_frac':>8s} {'MB':>8s}")
+    for r in ROWS:
+        print(f"{r['kernel']:9s} {r['shape']:30s} {r['variant']:22s} {r['graph_us']:9.2f} "
+              f"{r['frac']:6.3f} {r.get('eager_us', float('nan')):9.2f} "
+              f"{r.get('ref_us', float('nan')):9.1f} {r.get('ref_frac', float('nan')):8.4f} "
+              f"{r['bytes'] / 1e6:8.2f}")
+    goals = []
+    for r in ROWS:
+        if r["variant"] != "default":
+            continue
+        if r["kernel"] == "attention" and r.get("keys", 0) >= 65536:
+            goals.append((f"attention {r['shape']} >= 0.70", r["frac"] >= 0.70))
+        if r["kernel"] == "moe" and "realistic" in r["shape"]:
+            goals.append((f"moe {r['shape']} >= 0.65", r["frac"] >= 0.65))
+        if "ref_us" in r:
+            goals.append((f"{r['kernel']} {r['shape']} faster than reference",
+                          min(r["graph_us"], r["eager_us"]) < r["ref_us"]))
+    print("goals: " + ", ".join(f"{n}: {'PASS' if ok else 'FAIL'}" for n, ok in goals))
+
+
+if __name__ == "__main__":
+    main()

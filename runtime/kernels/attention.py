@@ -1,0 +1,302 @@
+"""Split-KV decode attention for the speculative round (w <= 8 query rows), with learned sinks.
+
+Algorithm (one kernel pair, two cache layouts)
+----------------------------------------------
+Inputs: q [w, nh, d] (RoPE applied), a KV cache per KV head, the device-side ``start_pos``; query row
+i has position p_i = start_pos + i. GQA: query head h reads KV head h // G, G = nh // nkv.
+
+Split kernel ``_attn_split_kernel``, grid (num_splits, nkv), fixed on the host (independent of any
+device value, so the launch can be captured in a CUDA graph):
+
+* Program (s, kvh) owns the G query heads of KV head ``kvh`` for all w rows, packed as
+  ``w * G`` matrix rows (row m = i * G + g; 8 rows x 6 heads = 48 rows, padded to BLOCK_M = 64)
+  against that one KV head, and one contiguous range of key blocks.
+* It reads ``start_pos`` from the device and derives the key range to visit:
+  full cache: logical positions [0, start_pos + w); sliding ring: [max(0, start_pos - window + 1),
+  start_pos + w) stored at slot ``pos % R``. Only this valid extent is read: preallocated capacity
+  (or ring slots outside the window) costs nothing.
+  The range is cut into BLOCK_N-key blocks; split s takes blocks
+  [s * per_split, min((s + 1) * per_split, n_blocks)), per_split = ceil(n_blocks / num_splits), so the
+  whole grid shares the work at every context length and splits past the end do nothing.
+* Loop over its key blocks: S = Q K^T (tensor cores, FP32 accumulation) in the log2 domain,
+  mask (key j visible to row i iff j <= p_i, and for the ring also j > p_i - window), online softmax
+  with FP32 running max ``m``, FP32 running denominator ``l`` and FP32 accumulator
+  ``acc += P V`` (P rounded to BF16 for the tensor-core product).
+* It writes its un-normalised partial (acc, m, l) for the valid packed rows; empty splits write
+  nothing. The running max starts at a finite -1e30, so a row that sees no key in a split keeps
+  l = 0 and acc = 0 without NaNs.
+
+Combine kernel ``_attn_combine_kernel``, grid (w * nh, d / COMBINE_BLOCK_D): program (row, head,
+d-slice) recomputes the number of active splits from ``start_pos``, takes M = max(sink, max_s m_s),
+and sums  num = sum_s 2^(m_s - M) acc_s,  den = sum_s 2^(m_s - M) l_s + 2^(sink - M)  in FP32,
+COMBINE_BLOCK_S splits at a time (a tree inside each group, a fixed sequential order across groups:
+deterministic, no atomics). out = num / den in BF16. The sink is a per-head logit with zero value:
+it only enters the denominator.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, device_sm_count, next_pow2
+
+# Keys per inner-loop iteration. K and V tiles of 64 x 128 BF16 are 16 KiB each, so one pipeline
+# stage is 32 KiB; with NUM_STAGES = 3 and the Q tile the program fits in shared memory while the
+# loads of two future blocks are in flight (what a memory-bound stream needs per SM).
+BLOCK_N = 64
+NUM_STAGES = 3
+# One warpgroup: the 64-row packed Q tile is exactly one Hopper wgmma M=64 tile.
+NUM_WARPS = 4
+# Splits per multiprocessor for the default num_splits: one long-running program per SM.
+SPLITS_PER_SM = 1
+# Combine: 32 head-dim columns per program (48 rows x 4 slices = 192 programs at d = 128) and 32
+# splits per iteration (32 x 32 FP32 = 4 KiB of partials per load).
+COMBINE_BLOCK_D = 32
+COMBINE_BLOCK_S = 32
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _key_range(start, W, WINDOW, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr,
+               NUM_SPLITS):
+    """Logical key range [lo, seq_end), its block count and the blocks per split."""
+    seq_end = start + W
+    if IS_RING:
+        lo = tl.maximum(start - WINDOW + 1, 0)
+    else:
+        lo = start * 0
+    n_blocks = tl.cdiv(seq_end - lo, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    return lo, seq_end, n_blocks, per_split
+
+
+@triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"])
+def _attn_split_kernel(
+    Q, K, V, ACC, ML, START,
+    stride_qw, stride_qh,
+    stride_kh, stride_kn,
+    stride_vh, stride_vn,
+    stride_ah, stride_as, stride_am,
+    stride_mh, stride_ms,
+    qk_scale_log2, W, WINDOW, R, NUM_SPLITS,
+    G: tl.constexpr, IS_RING: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    start = tl.load(START).to(tl.int32)
+    lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
+    b_begin = split * per_split
+    b_end = tl.minimum(b_begin + per_split, n_blocks)
+    if b_begin < b_end:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_i = offs_m // G
+        head = kvh * G + offs_m % G
+        row_ok = offs_m < W * G
+        q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q_pos = start + row_i
+        k_base = K + kvh.to(tl.int64) * stride_kh
+        v_base = V + kvh.to(tl.int64) * stride_vh
+        m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for b in range(b_begin, b_end):
+            pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_ok = pos < seq_end
+            if IS_RING:
+                slot = pos % R
+            else:
+                slot = pos
+            k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+            vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            if IS_RING:
+                vis = vis & (pos[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc_ptr = ACC + kvh * stride_ah + split * stride_as
+        tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc, mask=row_ok[:, None])
+        ml_ptr = ML + kvh * stride_mh + split * stride_ms
+        tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
+        tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["W", "WINDOW", "NUM_SPLITS"])
+def _attn_combine_kernel(
+    ACC, ML, SINKS, OUT, START,
+    stride_ah, stride_as, stride_am,
+    stride_mh, stride_ms,
+    stride_ow, stride_oh,
+    W, WINDOW, NUM_SPLITS,
+    NH: tl.constexpr, G: tl.constexpr, IS_RING: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    dblk = tl.program_id(1)
+    i = row // NH
+    h = row % NH
+    kvh = h // G
+    m_row = i * G + h % G
+    start = tl.load(START).to(tl.int32)
+    lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
+    n_active = tl.cdiv(n_blocks, per_split)
+
+    ml_ptr = ML + kvh * stride_mh + m_row
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_active
+    m_s = tl.load(ml_ptr + offs_s * stride_ms, mask=s_ok, other=_NEG_BIG)
+    l_s = tl.load(ml_ptr + offs_s * stride_ms + BLOCK_M, mask=s_ok, other=0.0)
+    m_all = tl.max(m_s, 0)
+    if HAS_SINK:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    den = tl.sum(tl.exp2(m_s - m_all) * l_s, 0)
+    if HAS_SINK:
+        den += tl.exp2(sink - m_all)
+
+    offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc_ptr = ACC + kvh * stride_ah + m_row * stride_am
+    num = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_active, SUB_S):
+        sub = s0 + tl.arange(0, SUB_S)
+        ok = sub < n_active
+        wgt = tl.exp2(tl.load(ml_ptr + sub * stride_ms, mask=ok, other=_NEG_BIG) - m_all)
+        part = tl.load(acc_ptr + sub[:, None] * stride_as + offs_d[None, :], mask=ok[:, None],
+                       other=0.0)
+        num += tl.sum(wgt[:, None] * part, 0)
+    tl.store(OUT + i * stride_ow + h * stride_oh + offs_d, (num / den).to(OUT.dtype.element_ty))
+
+
+def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_splits, validate=True,
+            block_n=None, num_stages=None, num_warps=None):
+    check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
+    w, nh, d = q.shape
+    nkv, slots, dk = k.shape
+    check(v.shape == k.shape and dk == d, f"k {tuple(k.shape)} / v {tuple(v.shape)} / q {tuple(q.shape)}")
+    check(nh % nkv == 0, "nh must be a multiple of nkv")
+    check(q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16),
+          "q, k, v must share a 16-bit float dtype")
+    check(q.device == k.device == v.device, "q, k, v on one device")
+    check(q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous")
+    check(d in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]")
+    check(start_pos.numel() == 1 and not start_pos.is_floating_point(), "start_pos: one integer")
+    check(start_pos.device == q.device, "start_pos on the device of q")
+    G = nh // nkv
+    block_m = max(16, next_pow2(w * G))
+    check(block_m <= 128, f"w * nh / nkv = {w * G} packed rows: at most 128 supported")
+    if ring:
+        check(window >= 1, "window >= 1")
+        if validate:
+            check(slots >= window + w - 1,
+                  f"ring of {slots} slots cannot hold window {window} + {w - 1} new rows")
+    has_sink = sinks is not None
+    if has_sink:
+        check(sinks.shape == (nh,) and sinks.device == q.device, "sinks [nh] on the device of q")
+    if out is None:
+        out = torch.empty_like(q)
+    check(out.shape == q.shape and out.stride(2) == 1, "out [w, nh, d], contiguous head_dim")
+    if num_splits is None:
+        num_splits = SPLITS_PER_SM * device_sm_count(q.device)
+    num_splits = int(num_splits)
+    check(num_splits >= 1, "num_splits >= 1")
+    block_n = BLOCK_N if block_n is None else block_n
+    acc = torch.empty((nkv, num_splits, block_m, d), device=q.device, dtype=torch.float32)
+    ml = torch.empty((nkv, num_splits, 2, block_m), device=q.device, dtype=torch.float32)
+    qk_scale_log2 = _LOG2E / math.sqrt(d)
+    _attn_split_kernel[(num_splits, nkv)](
+        q, k, v, acc, ml, start_pos,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        ml.stride(0), ml.stride(1),
+        qk_scale_log2, w, int(window), int(slots), num_splits,
+        G=G, IS_RING=ring, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
+        num_warps=NUM_WARPS if num_warps is None else num_warps,
+        num_stages=NUM_STAGES if num_stages is None else num_stages,
+    )
+    block_d = min(COMBINE_BLOCK_D, d)
+    _attn_combine_kernel[(w * nh, d // block_d)](
+        acc, ml, sinks if has_sink else acc, out, start_pos,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        ml.stride(0), ml.stride(1),
+        out.stride(0), out.stride(1),
+        w, int(window), num_splits,
+        NH=nh, G=G, IS_RING=ring, HAS_SINK=has_sink,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=max(16, next_pow2(num_splits)),
+        SUB_S=COMBINE_BLOCK_S, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out
+
+
+def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None):
+    """Decode attention over a full (non-sliding) KV cache.
+
+    q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
+    written at start_pos .. start_pos + w - 1; start_pos a 0-dim or [1] integer device tensor; sinks
+    [nh] FP32 (or None for no sink). Row i (position start_pos + i) sees keys j <= start_pos + i.
+    Returns out [w, nh, d] (written into ``out`` when given). No host synchronisation.
+    """
+    return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
+                   num_splits=num_splits)
+
+
+def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None):
+    """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
+    normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
+    max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host).
+    """
+    return _launch(q, k_ring, v_ring, start_pos, sinks, out, ring=True, window=int(window),
+                   num_splits=num_splits)
+
+
+def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,
+                        dtype=torch.float64):
+    """Higher-precision oracle with a host-known start_pos (tests and benchmarks only).
+
+    k, v [nkv, slots, d]: indexed by position (``ring=False``) or by slot p % slots (``ring=True``).
+    ``window``: row i sees positions max(0, p_i - window + 1) .. p_i; None: all positions <= p_i.
+    sinks [nh] or None. Returns [w, nh, d] in ``dtype``.
+    """
+    w, nh, d = q.shape
+    nkv, slots, _ = k.shape
+    G = nh // nkv
+    L = start_pos + w
+    lo = 0 if window is None else max(0, start_pos - window + 1)
+    pos = torch.arange(lo, L, device=q.device)
+    idx = pos % slots if ring else pos
+    kh = k[:, idx].to(dtype).repeat_interleave(G, 0)  # [nh, n, d]
+    vh = v[:, idx].to(dtype).repeat_interleave(G, 0)
+    qq = q.to(dtype).transpose(0, 1)  # [nh, w, d]
+    s = torch.einsum("hwd,hnd->hwn", qq, kh) / math.sqrt(d)
+    qpos = start_pos + torch.arange(w, device=q.device)
+    vis = pos[None, :] <= qpos[:, None]
+    if window is not None:
+        vis &= pos[None, :] > qpos[:, None] - window
+    s = s.masked_fill(~vis[None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.to(dtype)[:, None, None])
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    if sinks is not None:
+        den = den + torch.exp(sinks.to(dtype)[:, None, None] - m)
+    o = torch.einsum("hwn,hnd->hwd", e, vh) / den
+    return o.transpose(0, 1).contiguous()

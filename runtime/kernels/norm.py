@@ -1,0 +1,74 @@
+"""Fused residual add + RMSNorm for the decode round ([w, H], w <= 8 rows).
+
+Algorithm (``_add_rmsnorm_kernel``, grid (w,), program = one row)
+-----------------------------------------------------------------
+The program loads its whole row of x and of the residual (H <= BLOCK_H elements, one pass),
+forms residual_out = residual + x in FP32, rounds it to the residual's dtype and writes it back into
+``residual``; it then normalises exactly that stored value (so the normalised output is a function
+of the residual stream as stored): ss = sum(r^2) in FP32 (a tree inside the program),
+out = r * rsqrt(ss / H + eps) * weight, written in BF16. Under tensor parallelism the all-reduce of
+x comes before this kernel (the lead's fused path may replace it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, next_pow2
+
+# Warps per row: 16 warps x 32 threads x 16 B loads cover a 6,144-wide BF16 row in under two
+# vector loads per thread, so each row's single pass is latency-, not issue-bound.
+NUM_WARPS = 16
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, RES, WT, OUT, stride_x, stride_r, stride_o, eps,
+                        H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < H
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    res_ptr = RES + row * stride_r + offs
+    r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + x).to(RES.dtype.element_ty)
+    tl.store(res_ptr, r, mask=ok)
+    r = r.to(tl.float32)
+    if NORM_BUG:
+        ss = tl.sum(x * x, 0)
+    else:
+        ss = tl.sum(r * r, 0)
+    inv = tl.math.rsqrt(ss / H + eps)
+    wt = tl.load(WT + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + offs, (r * inv * wt).to(OUT.dtype.element_ty), mask=ok)
+
+
+def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, _norm_bug=False):
+    """residual += x (in residual's dtype); out = RMSNorm(residual) * weight in BF16. Returns out.
+
+    x [w, H] (bf16/fp32), residual [w, H] (bf16/fp32, updated in place), weight [H].
+    ``_norm_bug`` is the tests' negative control (normalises by the RMS of x, not of the sum).
+    """
+    check(x.dim() == 2 and residual.shape == x.shape, "x, residual [w, H]")
+    w, H = x.shape
+    check(weight.shape == (H,), "weight [H]")
+    check(x.stride(1) == 1 and residual.stride(1) == 1 and weight.stride(0) == 1, "contiguous rows")
+    check(x.device == residual.device == weight.device, "one device")
+    if out is None:
+        out = torch.empty((w, H), device=x.device, dtype=torch.bfloat16)
+    check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
+    block_h = next_pow2(H)
+    check(block_h <= 32768, "H <= 32768")
+    _add_rmsnorm_kernel[(w,)](
+        x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), float(eps),
+        H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug,
+        num_warps=NUM_WARPS if block_h >= 4096 else 4,
+    )
+    return out
+
+
+def add_rmsnorm_reference(x, residual, weight, eps):
+    """(residual_out in residual's dtype, normed in FP64): the oracle of the tests."""
+    r = (residual.float() + x.float()).to(residual.dtype)
+    rd = r.double()
+    normed = rd * torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return r, normed

@@ -1,0 +1,122 @@
+"""Compile every kernel launch configuration for sm_90 on a machine without a GPU (run by
+test_compile_sm90.py in a subprocess without TRITON_INTERPRET); prints a JSON report last:
+{"kernels": [...], "problems": [...], "rows": [[name, grid, shared, regs, stack, local], ...]}.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+SMEM_LIMIT = 227 * 1024
+
+
+class _Sm90Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+class _CompileOnly:
+    def __init__(self, fn, sink):
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append((self.fn.fn.__name__, grid, self.fn.warmup(*args, grid=grid, **kwargs)))
+        return launch
+
+
+def _compile_only(name, sink):
+    """runtime.kernels.<name> with its kernels replaced by compile-only stand-ins."""
+    from triton.runtime.jit import JITFunction
+
+    mod = importlib.import_module(f"runtime.kernels.{name}")
+    for key, val in list(vars(mod).items()):
+        if isinstance(val, JITFunction) and key.endswith("_kernel"):
+            setattr(mod, key, _CompileOnly(val, sink))
+    return mod
+
+
+def _launch_everything(A, M, Nm, S):
+    bf = torch.bfloat16
+    for d, window, E, H, I in ((128, 4096, 128, 6144, 256), (64, 512, 32, 256, 128)):
+        for w in (4, 8):
+            q = torch.randn(w, 6, d).to(bf)
+            k = torch.randn(1, window + 64, d).to(bf)
+            sp = torch.tensor(5, dtype=torch.int32)
+            A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132)
+            A.decode_attention_ring(q, k, k, sp, torch.zeros(6), window, num_splits=132)
+        w13 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn)
+        s13 = torch.ones(E, 2 * I // 128, H // 128)
+        w2 = torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
+        s2 = torch.ones(E, H // 128, -(-I // 128))
+        for w, bug in ((4, False), (8, False), (6, True)):
+            x = torch.randn(w, H).to(bf)
+            ids = torch.zeros(w, 8, dtype=torch.int32)
+            M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug)
+        for rdt in (bf, torch.float32):
+            x = torch.randn(8, H).to(bf)
+            Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6)
+    for V in (20000, 4096):
+        for bitonic in (True, False):
+            S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, bitonic=bitonic)
+        S.sample_topk_topp(torch.randn(8, V).to(bf), torch.rand(8), torch.rand(8), _topp_bug=True)
+        S.sample_topk_topp(torch.randn(8, V), torch.rand(8), torch.rand(()))
+
+
+
+def main():
+    import triton
+    from triton.runtime import driver as drv
+
+    sink = []
+    drv.set_active(_Sm90Driver())
+    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler")]
+    _launch_everything(*mods)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        cuobjdump = shutil.which("cuobjdump")
+    problems, rows = [], []
+    for name, grid, kernel in sink:
+        shared = kernel.metadata.shared
+        regs = stack = local = None
+        if cuobjdump:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                res = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                     capture_output=True, text=True).stdout
+            m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
+            if m is None:
+                problems.append(f"{name} {grid}: no resource report")
+            else:
+                regs, stack, local = (int(v) for v in m.groups())
+                if stack or local:
+                    problems.append(f"{name} {grid}: stack {stack} B, local {local} B")
+        if shared > SMEM_LIMIT:
+            problems.append(f"{name} {grid}: {shared} B shared memory")
+        rows.append([name, list(grid), shared, regs, stack, local])
+        print(name, grid, "shared", shared, "regs", regs, file=sys.stderr)
+    print(json.dumps(dict(kernels=sorted({r[0] for r in rows}), problems=problems, rows=rows)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Split-KV decode attention (full cache and sliding ring) against an FP64 reference.
+
+Every case draws fresh random non-zero inputs, poisons the output with NaN, poisons every cache
+slot the kernel must not read (capacity past the valid extent; ring slots outside every row's
+window) with NaN, and checks the max over (row, head) of the relative error. Negative controls: the
+sink omitted, and a ring of R = window slots (the verification's own writes evict keys that earlier
+rows still need) must fail the same check.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ._checks import max_row_rel_err
+from .conftest import HAS_CUDA, cpu_only, load_kernels
+
+TOL = 2e-2  # BF16 P and BF16 output: ~3e-3 typical (5e-3 in the interpreter, which truncates)
+
+Q1 = dict(nh=6, nkv=1, d=128, window=4096)
+MINI = dict(nh=6, nkv=1, d=64, window=512)
+
+
+def _dev():
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def _sinks(nh, n_visible, gen, dev):
+    # Around log(#keys) so that the sink takes a visible share of the softmax mass.
+    return (torch.randn(nh, generator=gen) + math.log(max(n_visible, 1))).to(dev)
+
+
+def make_full(w, nh, nkv, d, start, seed, extra=96):
+    dev = _dev()
+    g = torch.Generator().manual_seed(seed)
+    cap = start + w + extra
+    q = torch.randn(w, nh, d, generator=g).to(torch.bfloat16).to(dev)
+    k = torch.randn(nkv, cap, d, generator=g).to(torch.bfloat16).to(dev)
+    v = torch.randn(nkv, cap, d, generator=g).to(torch.bfloat16).to(dev)
+    k[:, start + w:] = float("nan")  # preallocated capacity: never read
+    v[:, start + w:] = float("nan")
+    sinks = _sinks(nh, start + w, g, dev)
+    return q, k, v, sinks
+
+
+def make_ring(w, nh, nkv, d, start, window, slots, seed):
+    """Logical history (by position) and the ring written in position order (slot = p % slots)."""
+    dev = _dev()
+    g = torch.Generator().manual_seed(seed)
+    L = start + w
+    lo = max(0, start - window + 1)
+    q = torch.randn(w, nh, d, generator=g).to(torch.bfloat16).to(dev)
+    hk = torch.full((nkv, L, d), float("nan"), dtype=torch.bfloat16, device=dev)
+    hv = torch.full((nkv, L, d), float("nan"), dtype=torch.bfloat16, device=dev)
+    first = max(0, L - slots)  # oldest position still in the ring
+    h0 = min(first, lo)  # history the reference needs (and what the ring holds)
+    hk[:, h0:] = torch.randn(nkv, L - h0, d, generator=g).to(torch.bfloat16).to(dev)
+    hv[:, h0:] = torch.randn(nkv, L - h0, d, generator=g).to(torch.bfloat16).to(dev)
+    kr = torch.full((nkv, slots, d), float("nan"), dtype=torch.bfloat16, device=dev)
+    vr = torch.full((nkv, slots, d), float("nan"), dtype=torch.bfloat16, device=dev)
+    pos = torch.arange(first, L, device=dev)
+    kr[:, pos % slots] = hk[:, pos]
+    vr[:, pos % slots] = hv[:, pos]
+    if slots >= window + w - 1:
+        old = torch.arange(first, lo, device=dev)  # still in the ring but outside every window
+        kr[:, old % slots] = float("nan")
+        vr[:, old % slots] = float("nan")
+    sinks = _sinks(nh, min(window, L), g, dev)
+    return q, hk, hv, kr, vr, sinks
+
+
+def _start(start, dev, as_int64=False):
+    return torch.tensor([start] if as_int64 else start, dtype=torch.int64 if as_int64 else torch.int32,
+                        device=dev)
+
+
+def run_full(A, shape, w, start, seed, num_splits=None, sinks_override=None):
+    q, k, v, sinks = make_full(w, shape["nh"], shape["nkv"], shape["d"], start, seed)
+    out = torch.full_like(q, float("nan"))
+    use = sinks if sinks_override is None else sinks_override
+    A.decode_attention_full(q, k, v, _start(start, q.device, seed % 2 == 0), use, out,
+                            num_splits=num_splits)
+    ref = A.attention_reference(q, k, v, start, sinks)
+    return max_row_rel_err(out, ref)
+
+
+def run_ring(A, shape, w, start, seed, slots=None, num_splits=None):
+    window = shape["window"]
+    slots = window + 64 if slots is None else slots
+    q, hk, hv, kr, vr, sinks = make_ring(w, shape["nh"], shape["nkv"], shape["d"], start, window,
+                                         slots, seed)
+    out = torch.full_like(q, float("nan"))
+    A._launch(q, kr, vr, _start(start, q.device, seed % 2 == 1), sinks, out, ring=True,
+              window=window, num_splits=num_splits, validate=slots >= window + w - 1)
+    ref = A.attention_reference(q, hk, hv, start, sinks, window=window)
+    return max_row_rel_err(out, ref)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+def _split_edges(A):
+    """Context lengths just below / at / above the split boundaries of the default grid."""
+    s = A.SPLITS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+    edge = A.BLOCK_N * s  # one block per split exactly
+    return [edge - 1, edge, edge + 1, 2 * edge + 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 5, 6, 7, 8])
+@pytest.mark.parametrize("ctx", [0, 1, 63, 64, 65, 4096, 65536, 196608])
+def test_full_q1(w, ctx):
+    A = load_kernels("attention")
+    start = max(0, ctx - w)
+    assert run_full(A, Q1, w, start, seed=ctx * 10 + w) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 8])
+@pytest.mark.parametrize("edge", range(4))
+def test_full_split_boundaries(w, edge):
+    A = load_kernels("attention")
+    L = _split_edges(A)[edge]
+    assert run_full(A, Q1, w, L - w, seed=L + w) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 7, 500])
+def test_full_other_split_counts(num_splits):
+    A = load_kernels("attention")
+    assert run_full(A, Q1, 8, 20000, seed=num_splits, num_splits=num_splits) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 6, 8])
+@pytest.mark.parametrize("start", [0, 5, 4090, 4095, 4096, 4159, 4160, 4161, 3 * 4160 + 17, 200003])
+def test_ring_q1(w, start):
+    A = load_kernels("attention")
+    assert run_ring(A, Q1, w, start, seed=start * 10 + w) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 8])
+@pytest.mark.parametrize("start", [0, 300, 511, 575, 576, 1300, 70001])
+def test_mini(w, start):
+    A = load_kernels("attention")
+    assert run_full(A, MINI, w, start, seed=start + w) < TOL
+    assert run_ring(A, MINI, w, start, seed=start + w + 1) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
+def test_negative_controls(shape):
+    A = load_kernels("attention")
+    nh = shape["nh"]
+    no_sink = torch.full((nh,), float("-inf"), device="cuda")
+    assert run_full(A, shape, 8, 5000, seed=1, sinks_override=no_sink) > TOL
+    assert run_ring(A, shape, 8, 3 * shape["window"] + 5, seed=2, slots=shape["window"]) > TOL
+
+
+@pytest.mark.gpu
+def test_graph_capture_replays_with_new_positions():
+    """Captured once; start_pos changed on the device; replays read the new extent."""
+    A = load_kernels("attention")
+    w, d = 8, 128
+    q, k, v, sinks = make_full(w, 6, 1, d, 70000, seed=3)
+    kr = k[:, :4160].contiguous()
+    vr = v[:, :4160].contiguous()
+    sp = torch.zeros((), dtype=torch.int32, device="cuda")
+    out_f = torch.empty_like(q)
+    out_r = torch.empty_like(q)
+    A.decode_attention_full(q, k, v, sp, sinks, out_f)  # compile outside capture
+    A.decode_attention_ring(q, kr, vr, sp, sinks, 4096, out_r)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        A.decode_attention_full(q, k, v, sp, sinks, out_f)
+        A.decode_attention_ring(q, kr, vr, sp, sinks, 4096, out_r)
+    for start in (0, 1000, 69999 - w, 70000):
+        sp.fill_(start)
+        out_f.fill_(float("nan"))
+        out_r.fill_(float("nan"))
+        g.replay()
+        assert max_row_rel_err(out_f, A.attention_reference(q, k, v, start, sinks)) < TOL
+        ref_r = A.attention_reference(q, kr, vr, start, sinks, window=4096, ring=True)
+        assert max_row_rel_err(out_r, ref_r) < TOL
+
+
+# ------------------------------------------------------------------------------ CPU interpreter
+@cpu_only
+@pytest.mark.parametrize("w,start,splits", [(8, 0, 3), (5, 700, 3), (8, 64 * 3 * 2 - 8, 3),
+                                            (6, 64 * 3 * 2 - 5, 3)])
+def test_interp_full_mini(w, start, splits):
+    A = load_kernels("attention")
+    assert run_full(A, MINI, w, start, seed=start + w, num_splits=splits) < TOL
+
+
+@cpu_only
+@pytest.mark.parametrize("w,start", [(8, 1300), (4, 3), (7, 575)])
+def test_interp_ring_mini(w, start):
+    A = load_kernels("attention")
+    assert run_ring(A, MINI, w, start, seed=start + w, num_splits=3) < TOL
+
+
+@cpu_only
+def test_interp_negative_controls():
+    A = load_kernels("attention")
+    no_sink = torch.full((MINI["nh"],), float("-inf"))
+    assert run_full(A, MINI, 8, 300, seed=1, num_splits=3, sinks_override=no_sink) > TOL
+    assert run_ring(A, MINI, 8, 1300, seed=2, slots=MINI["window"], num_splits=3) > TOL

@@ -1,0 +1,132 @@
+"""Top-k / top-p sampler kernel against its definition ``sample_reference``.
+
+Same ids (exactly, including the order of ties: lower id first), same chosen index and token
+(exactly), same filtered probabilities (max abs difference <= 1e-6), given the same uniform u.
+Inputs are drawn so that no top-p or draw boundary is hit exactly (an exact tie of c_i - p_i with
+top_p, e.g. 20 equal logits, is decided by FP32 summation order, which a tree scan and torch's
+cumsum do not share). Negative control: top-p keeping one token too few must fail the same check.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import HAS_CUDA, cpu_only, load_kernels
+
+PROB_TOL = 1e-6
+
+
+def _dev():
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def make_logits(w, V, dtype, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(w, V, generator=g) * 3
+    if kind == "peaked":  # top-p keeps one or a few tokens
+        x = x * 4
+    elif kind == "flat":  # top-p keeps (nearly) all 20
+        x = x * 0.05
+    elif kind == "ties":  # equal values straddling the top-20 boundary, and a tie at the top
+        x[:, :] = torch.randn(w, V, generator=g)  # N(0, 1): hardly any value above 4
+        cols = torch.randperm(V, generator=g)[:30]
+        x[:, cols[:3]] = 6.0           # three equal leaders (p about 0.21 each)
+        x[:, cols[3:30]] = 4.0         # 27 equal values: about 17 enter the top 20, lower ids first
+    u = torch.rand(w, generator=g)
+    u[0] = 0.0
+    if w > 1:
+        u[-1] = 0.9999999
+    return x.to(dtype).to(_dev()), u.to(_dev())
+
+
+def mismatch(S, logits, u, temperature, **kw):
+    """None when the kernel equals the reference, else a description of the first difference."""
+    got = S.sample_topk_topp(logits, u, temperature, **kw)
+    ref = S.sample_reference(logits, u, temperature)
+    names = ("ids", "probs", "token", "index")
+    for name, a, b in zip(names, got, ref):
+        if name == "probs":
+            diff = (a.float() - b.float()).abs().max().item()
+            if not diff <= PROB_TOL:
+                return f"probs differ by {diff}"
+        elif not torch.equal(a.cpu().long(), b.cpu().long()):
+            return f"{name} differ: {a.tolist()} vs {b.tolist()}"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [20000, 4096])
+@pytest.mark.parametrize("w", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["normal", "peaked", "flat", "ties"])
+@pytest.mark.parametrize("bitonic", [True, False])
+def test_gpu(V, w, dtype, kind, bitonic):
+    S = load_kernels("sampler")
+    logits, u = make_logits(w, V, dtype, kind, seed=V + w + len(kind))
+    assert mismatch(S, logits, u, 1.0, bitonic=bitonic) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.7, 1.3, "tensor", "per_row"])
+def test_gpu_temperature(temperature):
+    S = load_kernels("sampler")
+    logits, u = make_logits(8, 20000, torch.float32, "normal", seed=11)
+    if temperature == "tensor":
+        temperature = torch.tensor(0.8, device="cuda")
+    elif temperature == "per_row":
+        temperature = torch.linspace(0.5, 2.0, 8, device="cuda")
+    assert mismatch(S, logits, u, temperature) is None
+
+
+@pytest.mark.gpu
+def test_gpu_many_rows_statistics():
+    """4,096 independent rows: every one must match (catches rare selection errors)."""
+    S = load_kernels("sampler")
+    for seed in range(4):
+        logits, u = make_logits(1024, 20000, torch.float32, "normal", seed=100 + seed)
+        assert mismatch(S, logits, u, 1.0) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [20000, 4096])
+def test_gpu_negative_control(V):
+    S = load_kernels("sampler")
+    logits, u = make_logits(8, V, torch.float32, "normal", seed=3)
+    assert mismatch(S, logits, u, 1.0, _topp_bug=True) is not None
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture():
+    S = load_kernels("sampler")
+    logits, u = make_logits(8, 20000, torch.float32, "normal", seed=5)
+    outs = S.sample_topk_topp(logits, u, 1.0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        S.sample_topk_topp(logits, u, 1.0, out=outs)
+    for seed in (6, 7):
+        new_logits, new_u = make_logits(8, 20000, torch.float32, "peaked", seed=seed)
+        logits.copy_(new_logits)
+        u.copy_(new_u)
+        g.replay()
+        ref = S.sample_reference(logits, u, 1.0)
+        assert torch.equal(outs[0], ref[0]) and torch.equal(outs[2], ref[2])
+
+
+@cpu_only
+@pytest.mark.parametrize("V,dtype,kind,temperature,bitonic", [
+    (4096, torch.float32, "normal", 1.0, True),
+    (4096, torch.bfloat16, "ties", 0.7, True),
+    (20000, torch.float32, "peaked", 1.0, False),
+])
+def test_interp(V, dtype, kind, temperature, bitonic):
+    S = load_kernels("sampler")
+    logits, u = make_logits(3, V, dtype, kind, seed=V + len(kind))
+    assert mismatch(S, logits, u, temperature, bitonic=bitonic) is None
+
+
+@cpu_only
+def test_interp_negative_control():
+    S = load_kernels("sampler")
+    logits, u = make_logits(3, 4096, torch.float32, "normal", seed=3)
+    assert mismatch(S, logits, u, 1.0, _topp_bug=True, bitonic=False) is not None
