@@ -58,9 +58,9 @@ class TorchDistComm(LocalComm):
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-        self._dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-        return out
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        self._dist.all_gather(out, x.contiguous(), group=self.group)   # list form: NCCL and gloo alike
+        return torch.stack(out)
 
 
 def make_comm(tp) -> LocalComm:
