@@ -1,0 +1,137 @@
+"""Calibration of the harness on real paired replays (CPU by default): false positives, power,
+coverage, and the acceptance rule — measured, not simulated.
+
+    python experiments/replay_calibration.py [n_aa=20] [n_slow=20] [n_policy=3] [slowdown=0.10]
+        [requests=12] [max_new_tokens=32] [model=q1-mini] [out=experiments/results/replay_calibration]
+
+Scenarios, each a series of independent `python -m replay.paired` runs (both arms at HEAD; each
+replicate uses its own request seed and schedule seed, so token sequences and arm orders differ):
+- ``aa``: candidate identical to control (``allow_identical=true``): the share of runs called faster
+  or slower is the harness's false-positive rate; it must lie in [0, 0.075] at alpha = 0.05;
+- ``slow``: the candidate sleeps ``slowdown`` × each step's own duration
+  (``candidate.runtime.debug.step_delay_fraction``): the true TPOT effect is log(1 + slowdown); the
+  share called slower is the power (goal ≥ 0.9) and the share of TPOT intervals covering the truth
+  is the coverage (goal ≥ 0.9);
+- ``policy``: the candidate changes only the draft policy (fixed 5 drafts vs the stop rule): it must
+  be reported as an acceptance change (flag ``acceptance_changed``), not only as a latency change.
+Every run directory is kept under ``out/runs``; the per-run rows go to ``out/replay_calibration.csv``
+and the summary to ``out/replay_calibration.json``. Exit status 1 when a bound is missed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import pandas as pd  # noqa: E402
+
+from analysis import rawio, stats, verdict  # noqa: E402
+from harness_calibration import FPR_BOUNDS, summarize  # noqa: E402
+
+DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests": 12, "max_new_tokens": 32,
+            "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
+            "n_boot": 1000, "alpha": 0.05, "seed": 0}
+
+
+def parse(argv):
+    s = dict(DEFAULTS)
+    for a in argv:
+        if a in ("-h", "--help"):
+            print(__doc__)
+            sys.exit(0)
+        k, _, v = a.partition("=")
+        if k not in s:
+            sys.exit(f"error: unknown setting {k!r}; known: {sorted(s)}")
+        s[k] = type(DEFAULTS[k])(v)
+    return s
+
+
+def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
+    """One paired replay; returns its wall time. A complete run directory is reused."""
+    man = run_dir / "manifest.json"
+    if man.is_file() and json.loads(man.read_text()).get("status") == "complete":
+        return 0.0
+    over = {"aa": [], "slow": [f"candidate.runtime.debug.step_delay_fraction={s['slowdown']}"],
+            "policy": ["candidate.runtime.draft.policy=fixed", "candidate.runtime.draft.fixed_depth=5"]}[scenario]
+    cmd = [sys.executable, "-m", "replay.paired", "control=HEAD", "candidate=HEAD", f"model={s['model']}",
+           "allow_identical=true", "traces.name=claude400", f"requests.n={s['requests']}",
+           "requests.select=shortest", f"max_new_tokens={s['max_new_tokens']}", f"seed={s['seed'] + i}",
+           f"request_seed={1000 * (s['seed'] + 1) + i}", "tracking.enabled=false", "report=false",
+           "progress=false", f"RUN_DIR={run_dir}", *over]
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"replay {scenario}#{i} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return time.time() - t0
+
+
+def analyse(s: dict, scenario: str, i: int, run_dir: Path) -> dict:
+    run = rawio.read_run(run_dir)
+    a = stats.analyze(run, n_boot=s["n_boot"], seed=i, alpha=s["alpha"])
+    v = verdict.decide(a, run.manifest, alpha=s["alpha"])
+    e, aa = a.effects["tpot"], a.aa["tpot"]
+    truth = {"aa": 0.0, "slow": math.log1p(s["slowdown"])}.get(scenario, float("nan"))
+    return {
+        "scenario": scenario, "dataset": i, "seed": s["seed"] + i, "n_requests": a.n_requests,
+        "truth_log": truth, "mean_log": e.mean, "ci_lo": e.ci[0], "ci_hi": e.ci[1], "p": e.p,
+        "covered": (e.ci[0] <= truth <= e.ci[1]) if math.isfinite(truth) else None,
+        "mde_log": e.mde, "aa_mean_log": aa.mean, "aa_lo": aa.ci[0], "aa_hi": aa.ci[1], "aa_p": aa.p,
+        "aa_covered": aa.ci[0] <= 0.0 <= aa.ci[1],
+        "tps_mean_log": a.effects["tps"].mean, "tps_p": a.effects["tps"].p,
+        "call": v.call, "flags": ",".join(v.flags), "headline": v.headline, "run_dir": str(run_dir),
+    }
+
+
+def main(argv) -> int:
+    s = parse(argv)
+    out = Path(s["out"])
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    plan = [("aa", i) for i in range(s["n_aa"])] + [("slow", i) for i in range(s["n_slow"])] + \
+           [("policy", i) for i in range(s["n_policy"])]
+    rows, t_all = [], time.time()
+    for k, (scen, i) in enumerate(plan):
+        d = out / "runs" / f"{scen}-{i:03d}"
+        wall = replay(s, scen, i, d)
+        row = analyse(s, scen, i, d)
+        row["wall_s"] = round(wall, 1)
+        rows.append(row)
+        elapsed = time.time() - t_all
+        print(f"[{k + 1}/{len(plan)}] {scen}#{i}: {row['call']:<12} tpot {stats.pct(row['mean_log']):+.2f}% "
+              f"[{stats.pct(row['ci_lo']):+.2f}, {stats.pct(row['ci_hi']):+.2f}] flags={row['flags'] or '-'} "
+              f"({wall:.0f}s; ETA {elapsed / (k + 1) * (len(plan) - k - 1) / 60:.1f} min)", flush=True)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "replay_calibration.csv", index=False)
+    summ = summarize(df.drop(columns=["headline", "run_dir", "wall_s"]))
+    aa = df[df.scenario == "aa"]
+    fpr = float(aa["call"].isin(["faster", "slower"]).mean()) if len(aa) else float("nan")
+    slow = df[df.scenario == "slow"]
+    power = float((slow["call"] == "slower").mean()) if len(slow) else float("nan")
+    coverage = float(slow["covered"].astype(float).mean()) if len(slow) else float("nan")
+    pol = df[df.scenario == "policy"]
+    acc_flag = float(pol["flags"].str.contains("acceptance_changed").mean()) if len(pol) else float("nan")
+    checks = {"aa_false_positive_rate": fpr, "fpr_bounds": FPR_BOUNDS,
+              "fpr_ok": FPR_BOUNDS[0] <= fpr <= FPR_BOUNDS[1],
+              "slow_called_slower": power, "power_ok": power >= 0.9,
+              "slow_coverage": coverage, "coverage_ok": coverage >= 0.9,
+              "policy_acceptance_flagged": acc_flag, "policy_ok": acc_flag == 1.0}
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+    record = {"settings": s, "revision": rev, "dirty": dirty, "host": os.uname().nodename, "checks": checks,
+              "summary": json.loads(summ.to_json(orient="records")), "wall_s": round(time.time() - t_all, 1)}
+    (out / "replay_calibration.json").write_text(json.dumps(record, indent=1))
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print("\n" + summ.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in checks.items()))
+    return 0 if all(v for k, v in checks.items() if k.endswith("_ok")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,327 @@
+"""The paired replay harness end to end, on a temporary git repository holding this project.
+
+Branches of the temporary repository: ``main`` (this checkout), ``extra-op`` (one more operator per
+layer in ``Model.block``, values unchanged), ``reformat`` (comments and blank lines only) and
+``tiny-theta`` (q1-tiny's RoPE base changed: its snapshots are of another model). Every replay runs
+as a subprocess ``python -m replay.paired`` in that repository, on q1-tiny with two short synthetic
+requests and an 8-token budget.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+SRC = Path(__file__).resolve().parents[1]
+COMMON = ["model=q1-tiny", "traces.name=synthetic", "traces.synthetic.n=2", "traces.synthetic.min_len=24",
+          "traces.synthetic.max_len=40", "max_new_tokens=8", "tracking.enabled=false", "progress=false",
+          "report=false"]
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+EXTRA_OP = "        x = x * 1.0   # one more operator per layer, no value changed\n"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env={**os.environ, **GIT_ENV}).stdout.strip()
+
+
+def _project_files() -> list[str]:
+    tracked = git(SRC, "ls-files", "-z").split("\0")
+    extra = git(SRC, "ls-files", "-z", "--others", "--exclude-standard", "--", "replay", "snapshots",
+                "analysis", "conf").split("\0")
+    return sorted({f for f in tracked + extra if f and (SRC / f).is_file()})
+
+
+def _add_extra_op(repo: Path) -> None:
+    f = repo / "runtime" / "model.py"
+    src = f.read_text()
+    line = "        return x + self.moe(lw, rms_norm(x, lw.ln2, eps))\n"
+    assert src.count(line) == 1, "Model.block changed: update the extra-op patch of this test"
+    f.write_text(src.replace(line, EXTRA_OP + line))
+
+
+def _commit_branch(repo: Path, name: str, change) -> None:
+    git(repo, "checkout", "-q", "-b", name, "main")
+    change(repo)
+    git(repo, "commit", "-qam", name)
+    git(repo, "checkout", "-q", "main")
+
+
+def _reformat(repo: Path) -> None:
+    f = repo / "runtime" / "speculative.py"
+    src = f.read_text()
+    src = src.replace("    def verify(self", "    # reformatted: a comment and a blank line, nothing else\n\n"
+                                            "    def verify(self", 1)
+    f.write_text(src + "\n# trailing comment\n")
+
+
+def _tiny_theta(repo: Path) -> None:
+    f = repo / "conf" / "model" / "q1-tiny.yaml"
+    src = f.read_text()
+    assert "rope_theta: 10000.0" in src
+    f.write_text(src.replace("rope_theta: 10000.0", "rope_theta: 20000.0"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """An MLflow tracking server on loopback, started early (it takes a while on two cores)."""
+
+    def __init__(self, root: Path):
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.log = open(root / "mlflow-server.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--default-artifact-root", str(root / "artifacts")],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 120.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except OSError:
+                time.sleep(0.5)
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    if shutil.which("git") is None or not (SRC / ".git").exists():
+        pytest.skip("needs git and this project's git checkout")
+    root = tmp_path_factory.mktemp("replay")
+    server = None
+    try:
+        import mlflow  # noqa: F401
+        server = Server(root)
+    except ImportError:
+        pass
+    repo = root / "repo"
+    for f in _project_files():
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(SRC / f, repo / f)
+    git(repo.parent, "init", "-q", "-b", "main", str(repo))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "project")
+    _commit_branch(repo, "extra-op", _add_extra_op)
+    _commit_branch(repo, "reformat", _reformat)
+    _commit_branch(repo, "tiny-theta", _tiny_theta)
+    home = root / "home"
+    home.mkdir()
+    yield {"repo": repo, "home": home, "root": root, "server": server}
+    if server is not None:
+        server.stop()
+
+
+def replay(env, *args, timeout=240) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(env["repo"]), "IQUESTRT_HOME": str(env["home"]),
+         "HYDRA_FULL_ERROR": "1"}
+    p = subprocess.run([sys.executable, "-m", "replay.paired", *COMMON, *args], cwd=env["repo"], env=e,
+                       capture_output=True, text=True, timeout=timeout)
+    p.out = p.stdout + p.stderr
+    return p
+
+
+def manifest(run_dir: Path) -> dict | None:
+    f = run_dir / "manifest.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def requests_table(run_dir: Path):
+    import pandas as pd
+
+    df = pd.concat([pd.read_parquet(p) for p in sorted((run_dir / "requests").glob("*.parquet"))])
+    return df.sort_values(["request_id", "arm", "rep"]).reset_index(drop=True)
+
+
+def test_candidate_change_is_detected_and_aa_matches_control(env):
+    run_dir = env["root"] / "run-extra-op"
+    p = replay(env, "control=main", "candidate=extra-op", f"RUN_DIR={run_dir}", "report=true")
+    assert p.returncode == 0, p.out
+    assert "candidate vs control: the step work differs at widths [4, 5, 6, 7, 8]" in p.out
+    # one aten.mul per target layer (4) per verify; the draft layer runs the same block
+    assert re.search(r"\+\d+ aten\.mul\.Tensor", p.out), p.out
+    assert "A/A vs control: identical step work" in p.out
+    m = manifest(run_dir)
+    assert m["status"] == "complete"
+    sha = {b: git(env["repo"], "rev-parse", b) for b in ("main", "extra-op")}
+    arms = m["arms"]
+    assert (arms["control"]["sha"], arms["candidate"]["sha"], arms["aa"]["sha"]) == (sha["main"], sha["extra-op"],
+                                                                                   sha["main"])
+    assert len({a["module"] for a in arms.values()}) == 3
+    assert m["fingerprints"]["candidate_vs_control"]["identical"] is False
+    assert m["fingerprints"]["aa_vs_control"]["identical"] is True
+    assert m["hashes"]["snapshots"] and m["environment"]["torch"] == torch.__version__
+    req = requests_table(run_dir)
+    assert len(req) == 2 * 3
+    by = req.set_index(["request_id", "arm"])["tokens_sha"]
+    for rid in req["request_id"].unique():   # x * 1.0 changes no value: every arm emits the same tokens
+        assert by[(rid, "control")] == by[(rid, "aa")] == by[(rid, "candidate")]
+    assert (run_dir / "report" / "report.md").is_file()
+    assert "verdict:" in p.out and "TPOT ms" in p.out
+
+
+def test_reformat_only_is_refused_as_ineffective(env):
+    run_dir = env["root"] / "run-reformat"
+    p = replay(env, "control=main", "candidate=reformat", f"RUN_DIR={run_dir}")
+    assert p.returncode == 3, p.out
+    assert "ineffective substitution" in p.out and "allow_identical=true" in p.out
+    assert manifest(run_dir) is None
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(env):
+    args = ["control=main", "candidate=main", "candidate.runtime.draft.policy=fixed", "reps=2"]
+    a, b = env["root"] / "run-interrupted", env["root"] / "run-straight"
+    p = replay(env, *args, f"RUN_DIR={a}", "debug_interrupt_after=5")
+    assert p.returncode == 130, p.out
+    assert manifest(a)["status"] == "interrupted"
+    assert len(requests_table(a)) == 5
+    assert f"resume=true RUN_DIR={a}" in p.out
+    p = replay(env, "resume=true", f"RUN_DIR={a}")
+    assert p.returncode == 0, p.out
+    assert "5 already complete" in p.out
+    assert manifest(a)["status"] == "complete"
+    p = replay(env, *args, f"RUN_DIR={b}")
+    assert p.returncode == 0, p.out
+    cols = ["request_id", "arm", "rep", "order", "n_steps", "n_tokens", "tokens_sha"]
+    ta, tb = requests_table(a)[cols], requests_table(b)[cols]
+    assert len(ta) == 2 * 3 * 2
+    assert ta.equals(tb)
+    from analysis import rawio
+
+    assert rawio.read_run(a).problems == []
+
+
+def test_refusals_are_clear_and_record_nothing(env, tmp_path):
+    repo, root = env["repo"], env["root"]
+
+    def refused(name, *args, code=2):
+        run_dir = root / f"refused-{name}"
+        p = replay(env, *args, f"RUN_DIR={run_dir}")
+        assert p.returncode == code, p.out
+        m = manifest(run_dir)
+        assert m is None or m["status"] != "complete"
+        return p.out
+
+    out = refused("unknown", "control=main", "candidate=no-such-branch")
+    assert "unknown revision 'no-such-branch'" in out and "Traceback" not in out
+
+    out = refused("missing", "control=main", "candidate=extra-op", f"snapshots.store={tmp_path / 'empty'}",
+                  "snapshots.auto_capture=false")
+    assert "2 of 2 snapshots missing" in out and "auto_capture=true" in out
+    from snapshots import traces
+
+    data = SRC / "tests" / "data" / "claude_transcript.jsonl"
+    traces.import_transcripts(data, "mini", store=tmp_path / "traces", skip_malformed=True, system_prompt=False)
+    out = refused("missing-corpus", "control=main", "candidate=extra-op", "traces.name=mini",
+                  f"traces.store={tmp_path / 'traces'}", f"snapshots.store={tmp_path / 'empty'}",
+                  "snapshots.auto_capture=false")
+    assert "python -m snapshots.capture model=q1-tiny traces=mini" in out
+
+    out = refused("mismatch", "control=main", "candidate=tiny-theta")
+    assert "model/snapshot mismatch for arm candidate" in out and "rope_theta" in out
+
+    # a runtime change in the tree: HEAD alone is refused, WORKTREE replays it and records the diff
+    _add_extra_op(repo)
+    try:
+        out = refused("dirty", "control=main", "candidate=extra-op")
+        assert "uncommitted changes" in out and "runtime/model.py" in out and "WORKTREE" in out
+        run_dir = root / "run-worktree"
+        p = replay(env, "control=main", "candidate=WORKTREE", f"RUN_DIR={run_dir}")
+        assert p.returncode == 0, p.out
+        m = manifest(run_dir)
+        assert m["status"] == "complete" and m["arms"]["candidate"]["rev"] == "WORKTREE"
+        assert m["arms"]["candidate"]["sha"] == git(repo, "rev-parse", "HEAD")
+        assert m["arms"]["control"]["dirty_diff"] is None
+        diff = (run_dir / m["arms"]["candidate"]["dirty_diff"]).read_text()
+        assert "+" + EXTRA_OP.rstrip("\n") in diff
+    finally:
+        git(repo, "checkout", "--", "runtime/model.py")
+
+
+def test_mlflow_server_records_the_replay(env):
+    pytest.importorskip("mlflow")
+    server = env["server"]
+    assert server.wait(), (env["root"] / "mlflow-server.log").read_text()[-3000:]
+    run_dir = env["root"] / "run-tracked"
+    p = replay(env, "control=main", "candidate=main", "candidate.runtime.draft.policy=fixed", f"RUN_DIR={run_dir}",
+               "tracking.enabled=true", f"tracking.uri={server.uri}", "report=true")
+    assert p.returncode == 0, p.out
+    m = manifest(run_dir)
+    assert m["mlflow"]["tracking_uri"] == server.uri
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=server.uri)
+    run = client.get_run(m["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    params, metrics = run.data.params, run.data.metrics
+    assert params["arm.control.sha"] == git(env["repo"], "rev-parse", "main")
+    assert params["arm.candidate.overrides"] == json.dumps({"runtime": {"draft": {"policy": "fixed"}}}, sort_keys=True)
+    assert params["config.max_new_tokens"] == "8" and params["command"].startswith("python -m replay.paired")
+    assert "environment.torch" in params
+    assert metrics["arm.control.tpot_ms"] > 0 and "effect.tpot.pct" in metrics
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"manifest.json", "steps", "requests", "report"} <= names
+
+
+def test_schedule_balances_arm_positions():
+    from replay import schedule
+
+    ids = [f"r{i}" for i in range(12)]
+    plan = schedule.plan(ids, ["control", "candidate", "aa"], reps=2, seed=0)
+    assert [d.order for d in plan] == list(range(72))
+    assert {d.key for d in plan} == {(r, a, k) for r in ids for a in ("control", "candidate", "aa") for k in (0, 1)}
+    for arm, counts in schedule.position_counts(plan).items():
+        assert counts == [8, 8, 8], (arm, counts)          # 24 blocks: each arm 8x first, second, third
+    other = schedule.plan(ids, ["control", "candidate", "aa"], reps=2, seed=1)
+    assert [d.arm for d in other] != [d.arm for d in plan]
+
+
+def test_step_times_of_a_revision_without_start_stamps_are_derived_from_durations():
+    from types import SimpleNamespace
+
+    from replay import rawout
+
+    steps = [{"step": i, "width": 4, "drafts": 3, "next_drafts": 3, "accepted": 1, "emitted": 2,
+              "tokens": [5, 6]} for i in range(3)]
+    old = SimpleNamespace(steps=steps, step_ns=[100, 200, 300], tokens=[5, 6] * 3)   # no step_t0_ns
+    rows, req = rawout.decode_rows(old, "r", "control", 0, 7, 50, 1, t_call_ns=1_000, decode_ns=650)
+    t0 = [r["t_start_ns"] - rawout.CLOCK_OFFSET_NS for r in rows]
+    assert t0 == [1_000, 1_100, 1_300] and [r["t_end_ns"] - r["t_start_ns"] for r in rows] == [100, 200, 300]
+    assert [r["warmup"] for r in rows] == [True, False, False]
+    assert req["n_steps"] == 3 and req["n_tokens"] == 6 and req["tokens_sha"] == rawout.tokens_sha([5, 6] * 3)
+    new = SimpleNamespace(steps=steps, step_ns=[100, 200, 300], step_t0_ns=[10, 500, 900], tokens=[5, 6] * 3)
+    rows, _ = rawout.decode_rows(new, "r", "control", 0, 7, 50, 1, t_call_ns=1_000, decode_ns=650)
+    assert [r["t_start_ns"] - rawout.CLOCK_OFFSET_NS for r in rows] == [10, 500, 900]
