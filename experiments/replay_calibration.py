@@ -12,8 +12,9 @@ replicate uses its own request seed and schedule seed, so token sequences and ar
   (``candidate.runtime.debug.step_delay_fraction``): the true TPOT effect is log(1 + slowdown); the
   share called slower is the power (goal ≥ 0.9) and the share of TPOT intervals covering the truth
   is the coverage (goal ≥ 0.9);
-- ``policy``: the candidate changes only the draft policy (fixed 5 drafts vs the stop rule): it must
-  be reported as an acceptance change (flag ``acceptance_changed``), not only as a latency change.
+- ``policy``: the candidate changes only the draft policy (7 drafts per step against control's 3):
+  it must be reported as an acceptance change (flag ``acceptance_changed``: tokens per step moved),
+  not only as a latency change.
 Every run directory is kept under ``out/runs``; the per-run rows go to ``out/replay_calibration.csv``
 and the summary to ``out/replay_calibration.json``. Exit status 1 when a bound is missed.
 """
@@ -60,7 +61,8 @@ def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
     if man.is_file() and json.loads(man.read_text()).get("status") == "complete":
         return 0.0
     over = {"aa": [], "slow": [f"candidate.runtime.debug.step_delay_fraction={s['slowdown']}"],
-            "policy": ["candidate.runtime.draft.policy=fixed", "candidate.runtime.draft.fixed_depth=5"]}[scenario]
+            "policy": ["control.runtime.draft.policy=fixed", "control.runtime.draft.fixed_depth=3",
+                       "candidate.runtime.draft.policy=fixed", "candidate.runtime.draft.fixed_depth=7"]}[scenario]
     cmd = [sys.executable, "-m", "replay.paired", "control=HEAD", "candidate=HEAD", f"model={s['model']}",
            "allow_identical=true", "traces.name=claude400", f"requests.n={s['requests']}",
            "requests.select=shortest", f"max_new_tokens={s['max_new_tokens']}", f"seed={s['seed'] + i}",
