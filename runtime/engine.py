@@ -69,10 +69,14 @@ class Engine:
         self.device = resolve_device(rt.device)
         self.shard = make_shard(model_cfg, rt.tp)
         self.comm = make_comm(rt.tp)
-        if rt.backend != "reference":
+        if rt.backend == "fast":   # Triton kernels for the decode pieces; needs CUDA and dtype=bfloat16
+            from .fast import FastModel
+            self.model = FastModel(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm)
+        elif rt.backend == "reference":
+            self.model = Model(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm)
+        else:
             raise ConfigError(f"backend '{rt.backend}' is not available in this build of the engine; "
-                              "use runtime.backend=reference")
-        self.model = Model(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm)
+                              "use runtime.backend=reference|fast")
         self.checkpoint_hash = checkpoint_hash
 
     @classmethod

@@ -95,10 +95,23 @@ class Round:
     def __init__(self, model: Model, cache: ModelCache, sampling: SamplingConfig, draft: DraftConfig):
         self.model, self.cache, self.s, self.draft = model, cache, sampling, draft
         self.cfg: ModelConfig = model.cfg
+        # Sampler hook: a backend whose model has ``sample_rows(logits, u, sampling) -> (ids, probs,
+        # token, index)`` (the fast backend's fused kernel) replaces filter_dist + draw below.
+        self._sample_rows = getattr(model, "sample_rows", None)
 
     def _filter(self, logits):
+        if self._sample_rows is not None:
+            return self._sample_rows(logits, None, self.s)[:2]
         s, sh = self.s, self.model.shard
         return filter_dist(logits, s.temperature, s.top_k, s.top_p, sh.vocab_start, self.model.comm)
+
+    def _filter_draw(self, logits, u):
+        """(ids, probs, token, index): each row's served distribution and a draw with uniforms u."""
+        if self._sample_rows is not None:
+            return self._sample_rows(logits, u, self.s)
+        ids, probs = self._filter(logits)
+        tok, idx = draw(ids, probs, u)
+        return ids, probs, tok, idx
 
     # ---- 1-4: verify and settle --------------------------------------------------------------------
     def verify(self, st: DecodeState, w: int) -> None:
@@ -148,8 +161,8 @@ class Round:
     # ---- 5: recursive drafting ---------------------------------------------------------------------
     def _take_draft(self, st: DecodeState, g: torch.Tensor, k: int) -> None:
         """Draft depth k from draft hidden g [1, H]: its proposal, the drawn token, the policy."""
-        q_ids, q_probs = self._filter(self.model.mtp_logits(g))
-        d, idx = draw(q_ids, q_probs, rng.uniform(st.seed, (st.start + k).view(1), rng.DRAFT))
+        q_ids, q_probs, d, idx = self._filter_draw(self.model.mtp_logits(g),
+                                                   rng.uniform(st.seed, (st.start + k).view(1), rng.DRAFT))
         st.tokens[k].copy_(d[0])
         st.q_ids[k].copy_(q_ids[0])
         st.q_probs[k].copy_(q_probs[0])

@@ -1,0 +1,492 @@
+"""Whole-step benchmark: the speculative step on the fast backend vs the reference backend.
+
+One command on the GPU machine (repository root; < 6 minutes on one H200):
+
+    PYTHONUNBUFFERED=1 python3 experiments/bench_step.py 2>&1 | tee $OUT/bench_step.log
+
+What it times (eager launches, CUDA events around each step, warm-up first, median over reps):
+the step = verify(w=6) + draft_first(w=6) + draft_next at depths 2..5, i.e. 6 live rows and 5
+drafts, on
+
+* **q1, rank-emulated** (``tp.size=8 tp.emulate_rank=0``: 88 layers, 6 query heads / 1 KV head,
+  a 20,000-logit vocabulary slice, 256-wide expert shards; about 56 GB of weights generated directly
+  on the GPU with ``runtime.checkpoint.random_tensors``). One BF16 reference model; the fast model
+  shares its weights (``FastModel.from_model``). The restored state is synthetic: caches filled with
+  random BF16 data at contexts 8K and 64K (no real 64K prefill of q1), a decode state with 5 drafts
+  and their proposals. Before every timed step the decode state is restored (outside the timing), so
+  every repetition does the same work. The fast step is also captured as one CUDA graph and
+  replayed (what the device loop will launch), reported separately.
+* **q1-mini** (the committed checkpoint; real prefill of a random-token prompt): reference FP32,
+  reference BF16 and fast, at contexts 2K and 16K.
+
+The floor of the q1 step is the bytes it must read over the device-to-device copy bandwidth measured
+in the same run (bytes read + written, as in bench_kernels.py); see :func:`step_bytes` for the
+formula (KV extent of the full layers, the sliding rings, the routed experts' FP8 weights and scales
+at ~38 distinct experts for a 6-row pass and 8 for a 1-row pass, the attention/router/EH weights and
+the LM-head slice, for the verify pass and the 5 draft-layer passes). The floor is also given at the
+distinct-expert count observed in the run (random weights route more uniformly than a trained
+model).
+
+Output: progress lines, then a short table last; $OUT/bench_step.json and .csv when OUT is set.
+
+``--dry-run`` runs the whole script on the CPU through the Triton interpreter at q1-tiny shapes
+(2 layers; rank emulation of 2; wall-clock "timings" that mean nothing), to check the script before
+GPU time is spent on it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+DRY_RUN = "--dry-run" in sys.argv
+if DRY_RUN:  # before triton is imported: its own library functions must be interpreted too
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+if DRY_RUN:
+    from tests.kernels import _interp  # noqa: E402
+
+    _interp.install()
+
+import triton  # noqa: E402
+
+from runtime.checkpoint import random_tensors  # noqa: E402
+from runtime.config import DraftConfig, SamplingConfig, TPConfig, load_model_config, make_shard  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.fast import FastModel  # noqa: E402
+from runtime.model import Model  # noqa: E402
+from runtime.parallel import make_comm  # noqa: E402
+from runtime.speculative import DecodeState, Round  # noqa: E402
+
+DEV = torch.device("cpu" if DRY_RUN else "cuda")
+CUDA = DEV.type == "cuda"
+T_START = time.perf_counter()
+ROWS: list[dict] = []
+W, DEPTHS = 6, 5             # live rows of the verify pass; draft-layer passes (depth 1 + 2..5)
+DISTINCT_6ROWS = 38          # routed experts of a 6-row pass (the brief's working number)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T_START:7.1f}s] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ timing
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(nbytes=2 * 2**30, reps=10) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median)."""
+    if DRY_RUN:
+        nbytes, reps = 2**24, 2
+    a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ts = [time_call(lambda: b.copy_(a)) for _ in range(reps)]
+    del a, b
+    if CUDA:
+        torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(ts)
+
+
+def time_call(fn) -> float:
+    """Seconds of one call: CUDA events on the GPU (host launch time included when the host is the
+    bottleneck, as for eager launches), wall clock on the CPU."""
+    if not CUDA:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e-3
+
+
+def time_step(step, restore, reps: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        restore()
+        step()
+    sync()
+    ts, hs = [], []
+    for _ in range(reps):
+        restore()
+        sync()
+        h0 = time.perf_counter()
+        ts.append(time_call(step))
+        hs.append(time.perf_counter() - h0)
+    return {"ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3,
+            "host_ms": statistics.median(hs) * 1e3, "reps": reps}
+
+
+def time_graph(step, restore, reps: int) -> dict:
+    """The step captured once as a CUDA graph (after eager warm-up), replayed after each restore."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        restore()
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    sync()
+    restore()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    out = time_step(g.replay, restore, reps, warmup=2)
+    del g
+    return out
+
+
+# ------------------------------------------------------------------------------- state and caches
+def clone_state(st: DecodeState) -> DecodeState:
+    return dataclasses.replace(st, **{f.name: getattr(st, f.name).clone() for f in dataclasses.fields(st)})
+
+
+def restorer(st: DecodeState, saved: DecodeState):
+    def restore():
+        for f in dataclasses.fields(st):
+            getattr(st, f.name).copy_(getattr(saved, f.name))
+    return restore
+
+
+def fill_cache(cache, L: int, gen: torch.Generator) -> None:
+    """Random BF16 K/V; ring labels as a real decode at length L leaves them (slot s holds the last
+    position p < L with p % slots == s)."""
+    for c in cache.all:
+        c.k.copy_(torch.randn(c.k.shape, generator=gen, device=DEV, dtype=torch.float32))
+        c.v.copy_(torch.randn(c.v.shape, generator=gen, device=DEV, dtype=torch.float32))
+        if c.kind != "full":
+            s = torch.arange(c.slots, device=DEV)
+            p = (L - 1) - ((L - 1 - s) % c.slots)
+            c.labels.copy_(torch.where(p >= 0, p, torch.full_like(p, -1)))
+        else:
+            c.labels.fill_(-1)
+
+
+def synthetic_state(model: Model, L: int, budget: int, seed: int, gen: torch.Generator) -> DecodeState:
+    """A decode state at cache length L holding a committed token and 5 drafts with their proposals
+    (draft j is the top entry of its proposal, so q(d) > 0), as after a draft phase of depth 5."""
+    cfg, sh = model.cfg, model.shard
+    k = SamplingConfig().top_k
+    st = DecodeState.empty(cfg.hidden_size, k, budget, seed, cfg.stop_token_ids, DEV)
+    lo, hi = sh.vocab_start, sh.vocab_end
+    ids = torch.randint(lo, hi, (8, k), generator=gen, device=DEV)
+    probs = torch.rand(8, k, generator=gen, device=DEV).sort(-1, descending=True).values
+    st.q_ids.copy_(ids)
+    st.q_probs.copy_(probs / probs.sum(-1, keepdim=True))
+    st.tokens.copy_(ids[:, 0])
+    st.emitted.copy_(ids[:, 0])
+    st.hidden.copy_(torch.randn(8, cfg.hidden_size, generator=gen, device=DEV))
+    st.g.copy_(torch.randn(1, cfg.hidden_size, generator=gen, device=DEV))
+    st.start.fill_(L)
+    st.prev_start.fill_(L - W)
+    st.accepted.fill_(W - 1)
+    st.n_drafts.fill_(W - 1)
+    return st
+
+
+def step_fn(rnd: Round, st: DecodeState):
+    def step():
+        rnd.verify(st, W)
+        rnd.draft_first(st, W)
+        for k in range(2, DEPTHS + 1):
+            rnd.draft_next(st, k)
+    return step
+
+
+class ConsumingTensors:
+    """Read-once view of ``random_tensors``' generator for ``Model.__init__`` (which reads every name
+    once): per-expert slices are dropped as soon as they are stacked, so the peak is the model plus
+    one layer's experts instead of two copies of the experts."""
+
+    def __init__(self, it):
+        self._it, self._buf = it, {}
+
+    def __getitem__(self, name):
+        while name not in self._buf:
+            try:
+                k, v = next(self._it)
+            except StopIteration:
+                raise KeyError(name) from None
+            self._buf[k] = v
+        return self._buf.pop(name)
+
+
+# ------------------------------------------------------------------------------------------ floors
+def step_bytes(cfg, sh, L: int, distinct6: float, distinct1: float = 8.0) -> dict:
+    """Bytes the step must read (each once), by part.
+
+    per position of one layer's K+V:  kv = 2 * nkv * d * 2 B;  full layer at verify: (L + w) keys;
+    sliding layer: window + w - 1 keys (the rows' whole windows);
+    one expert (E4M3 + FP32 128x128-block scales): 3 * I * H + 4 * (ceil(2I/128) ceil(H/128) +
+    ceil(H/128) ceil(I/128));
+    attention + router weights of a layer (BF16): 2 * ((nh + 2 nkv) d H + H nh d + E H) (+ norms);
+    verify   = sum_layers (attn + distinct6 * expert + KV) + LM head (2 V H)
+    draft 1  = attn + EH (2 * 2H * H) + distinct6 * expert + KV(L + w) + LM head
+    draft k  = attn + EH + distinct1 * expert + KV(L + k) + LM head        (k = 2..5, one row)
+    """
+    H, d, E = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+    nh, nkv, I, V = sh.num_heads, sh.num_kv_heads, sh.expert_width, sh.vocab_size
+    kv = 2 * nkv * d * 2
+    c = lambda n: -(-n // 128)  # noqa: E731
+    expert = 3 * I * H + 4 * (c(2 * I) * c(H) + c(H) * c(I))
+    attn = 2 * ((nh + 2 * nkv) * d * H + H * nh * d + E * H) + 2 * 2 * H + 4 * nh
+    lm = 2 * V * H
+    eh = 2 * 2 * H * H + 3 * 2 * H
+
+    def keys(kind, end):
+        return end if kind == "full" else min(end, cfg.sliding_window + W - 1)
+
+    types = cfg.layer_types
+    v_kv = sum(keys(t, L + W) * kv for t in types)
+    v_exp = len(types) * distinct6 * expert
+    v_dense = len(types) * attn
+    parts = {"verify_kv": v_kv, "verify_experts": v_exp, "verify_dense": v_dense, "verify_lm": lm}
+    mt = cfg.mtp_attention
+    d_kv = keys(mt, L + W) * kv + sum(keys(mt, L + k) * kv for k in range(2, DEPTHS + 1))
+    d_exp = (distinct6 + (DEPTHS - 1) * distinct1) * expert
+    parts.update(draft_kv=d_kv, draft_experts=d_exp, draft_dense=DEPTHS * (attn + eh), draft_lm=DEPTHS * lm)
+    parts["total"] = sum(parts.values())
+    parts["expert_bytes"] = expert
+    return parts
+
+
+# ------------------------------------------------------------------------------------------ q1-mini
+def bench_mini(args, copy_bw):
+    name = "q1-tiny" if DRY_RUN else "q1-mini"
+    cfg = load_model_config(name)
+    if DRY_RUN:
+        cfg = dataclasses.replace(cfg, num_layers=2, layer_pattern=("sliding", "full"), expert_width=128).validate()
+    contexts = (60,) if DRY_RUN else (2048, 16384)
+    arms = [("reference-fp32", {"backend": "reference", "dtype": "float32"}),
+            ("reference-bf16", {"backend": "reference", "dtype": "bfloat16"}),
+            ("fast", {"backend": "fast", "dtype": "bfloat16"})]
+    gen = torch.Generator().manual_seed(1)
+    for L in contexts:
+        prompt = torch.randint(0, cfg.vocab_size, (L,), generator=gen).tolist()
+        res = {}
+        for arm, rt in arms:
+            rt = dict(rt, device=str(DEV), draft={"policy": "fixed", "fixed_depth": DEPTHS})
+            eng = Engine.build(cfg if DRY_RUN else name, rt)
+            with torch.no_grad():
+                rnd, st = eng.start(prompt, 0, 64)
+                assert st.width() == W, st.width()
+                t = time_step(step_fn(rnd, st), restorer(st, clone_state(st)),
+                              reps=args.reps_fast if arm == "fast" else args.reps_ref, warmup=args.warmup)
+            res[arm] = t
+            row = dict(model=cfg.name, context=L, arm=arm, **t)
+            ROWS.append(row)
+            log(f"{cfg.name} ctx={L} {arm}: {t['ms']:.3f} ms/step (host {t['host_ms']:.3f} ms)")
+            del eng, rnd, st
+        for arm in ("reference-fp32", "reference-bf16"):
+            ROWS.append(dict(model=cfg.name, context=L, arm=f"fast/{arm}", ratio=res["fast"]["ms"] / res[arm]["ms"]))
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ q1
+def build_q1(args):
+    if DRY_RUN:
+        cfg = dataclasses.replace(load_model_config("q1-tiny"), num_layers=2, layer_pattern=("sliding", "full"),
+                                  sliding_window=32).validate()
+        tp = TPConfig(size=2, emulate_rank=0)
+    else:
+        cfg = load_model_config("q1")
+        tp = TPConfig(size=8, emulate_rank=0)
+    shard = make_shard(cfg, tp)
+    if CUDA:
+        free, total = torch.cuda.mem_get_info()
+        log(f"GPU memory free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB before the q1 shard")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        tensors = ConsumingTensors(random_tensors(cfg, tp, seed=0, device=DEV))
+        ref = Model(cfg, tensors, shard, "bfloat16", DEV, make_comm(tp))
+        del tensors
+        fast = FastModel.from_model(ref)
+    sync()
+    nbytes = sum(t.numel() * t.element_size() for t in _weights(ref))
+    log(f"{cfg.name} rank 0/{tp.size} built in {time.perf_counter() - t0:.1f}s: {nbytes / 1e9:.2f} GB of weights"
+        + (f"; allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB, peak "
+           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if CUDA else ""))
+    return cfg, shard, ref, fast, nbytes
+
+
+def _weights(m: Model):
+    seen = {}
+    for t in [m.embed, m.final_norm, m.lm_head]:
+        seen[t.data_ptr()] = t
+    for lw in m.layers + [x.layer for x in m.mtp]:
+        for f in dataclasses.fields(lw):
+            t = getattr(lw, f.name)
+            if isinstance(t, torch.Tensor):
+                base = t._base if t._base is not None else t
+                seen[base.data_ptr()] = base
+    for x in m.mtp:
+        for t in (x.enorm, x.hnorm, x.eh, x.head_norm):
+            seen[t.data_ptr()] = t
+    return list(seen.values())
+
+
+def observed_distinct(fast: FastModel, rnd: Round, st, restore) -> tuple[float, float]:
+    """Mean distinct experts per layer of the verify pass (6 rows) and of draft_first (6 rows), from
+    one instrumented fast step (host reads after the step, outside any timing)."""
+    calls = []
+    orig = fast.route
+
+    def route(lw, x):
+        ids, wts = orig(lw, x)
+        calls.append(ids)
+        return ids, wts
+
+    fast.route = route
+    try:
+        restore()
+        with torch.no_grad():
+            step_fn(rnd, st)()
+    finally:
+        del fast.route
+    sync()
+    n = fast.cfg.num_layers
+    verify = [int(torch.unique(c).numel()) for c in calls[:n]]
+    draft1 = int(torch.unique(calls[n]).numel())
+    return statistics.mean(verify), float(draft1)
+
+
+def bench_q1(args, copy_bw):
+    cfg, shard, ref, fast, wbytes = build_q1(args)
+    contexts = (40, 150) if DRY_RUN else args.contexts
+    sampling, draft = SamplingConfig(), DraftConfig(policy="fixed", fixed_depth=DEPTHS)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    distinct = None
+    for L in contexts:
+        if time.perf_counter() - T_START > args.budget_s:
+            log(f"time budget {args.budget_s}s spent: context {L} skipped")
+            continue
+        cap = L + 64 + 16
+        cache = ref.new_cache(cap)
+        fill_cache(cache, L, gen)
+        st = synthetic_state(ref, L, 64, seed=0, gen=gen)
+        restore = restorer(st, clone_state(st))
+        r_ref, r_fast = Round(ref, cache, sampling, draft), Round(fast, cache, sampling, draft)
+        if distinct is None:
+            if CUDA:
+                restore()
+                with torch.no_grad():
+                    step_fn(r_fast, st)()      # compile the kernels before instrumenting
+            distinct = observed_distinct(fast, r_fast, st, restore)
+            log(f"observed distinct experts: verify {distinct[0]:.1f} per layer, draft depth 1 {distinct[1]:.0f}")
+        res = {}
+        with torch.no_grad():
+            res["fast"] = time_step(step_fn(r_fast, st), restore, args.reps_fast, args.warmup)
+            log(f"q1 ctx={L} fast (eager): {res['fast']['ms']:.2f} ms/step (host {res['fast']['host_ms']:.2f} ms)")
+            if CUDA and not args.no_graph:
+                try:
+                    res["fast-graph"] = time_graph(step_fn(r_fast, st), restore, args.reps_fast)
+                    log(f"q1 ctx={L} fast (CUDA graph): {res['fast-graph']['ms']:.2f} ms/step")
+                except Exception as e:  # reported, not fatal: the eager numbers stand
+                    log(f"q1 ctx={L} fast (CUDA graph) FAILED: {type(e).__name__}: {e}")
+                    res["fast-graph"] = {"error": f"{type(e).__name__}: {e}"}
+            res["reference"] = time_step(step_fn(r_ref, st), restore, args.reps_ref, min(1, args.warmup))
+            log(f"q1 ctx={L} reference: {res['reference']['ms']:.2f} ms/step")
+        d6 = min(DISTINCT_6ROWS, cfg.num_experts)
+        fl = step_bytes(cfg, shard, L, d6, min(8, cfg.num_experts))
+        flo = step_bytes(cfg, shard, L, distinct[0], min(8, cfg.num_experts))
+        floor_ms, floor_obs_ms = fl["total"] / copy_bw * 1e3, flo["total"] / copy_bw * 1e3
+        log(f"q1 ctx={L} floor: {fl['total'] / 1e9:.2f} GB -> {floor_ms:.2f} ms at {d6} experts; "
+            f"{flo['total'] / 1e9:.2f} GB -> {floor_obs_ms:.2f} ms at the observed {distinct[0]:.1f}")
+        for arm, t in res.items():
+            ROWS.append(dict(model=f"{cfg.name} rank0/{shard.tp_size}", context=L, arm=arm, **t,
+                             floor_ms=floor_ms, floor_observed_ms=floor_obs_ms,
+                             frac_of_floor=(floor_ms / t["ms"]) if "ms" in t else None))
+        ROWS.append(dict(model=f"{cfg.name} rank0/{shard.tp_size}", context=L, arm="fast/reference",
+                         ratio=res["fast"]["ms"] / res["reference"]["ms"]))
+        ROWS.append(dict(model=f"{cfg.name} rank0/{shard.tp_size}", context=L, arm="floor-bytes",
+                         **{k: v for k, v in fl.items()}, distinct_experts=d6,
+                         observed_distinct=distinct[0], observed_total=flo["total"]))
+        del cache, st, r_ref, r_fast
+        if CUDA:
+            torch.cuda.empty_cache()
+    return wbytes
+
+
+# ------------------------------------------------------------------------------------------ main
+def table(copy_bw) -> str:
+    lines = [f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write)", "",
+             f"{'model':<16} {'ctx':>6} {'arm':<16} {'ms/step':>9} {'host ms':>8} {'floor ms':>9} {'floor/t':>8}"]
+    for r in ROWS:
+        if "ms" in r:
+            fl = r.get("floor_ms")
+            lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} {r['ms']:>9.3f} {r['host_ms']:>8.3f} "
+                         + (f"{fl:>9.3f} {fl / r['ms']:>8.3f}" if fl else f"{'':>9} {'':>8}"))
+        elif "ratio" in r:
+            lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} ratio {r['ratio']:.3f}")
+        elif "error" in r:
+            lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} {r['error']}")
+        elif r.get("arm") == "floor-bytes":
+            gb = {k: r[k] / 1e9 for k in r if k.startswith(("verify_", "draft_", "total"))}
+            lines.append(f"{r['model']:<16} {r['context']:>6} floor bytes (GB): total {gb['total']:.3f} = verify "
+                         f"kv {gb['verify_kv']:.3f} + experts {gb['verify_experts']:.3f} + dense "
+                         f"{gb['verify_dense']:.3f} + lm {gb['verify_lm']:.3f}; drafts kv {gb['draft_kv']:.3f} "
+                         f"+ experts {gb['draft_experts']:.3f} + dense {gb['draft_dense']:.3f} + lm "
+                         f"{gb['draft_lm']:.3f}; at observed {r['observed_distinct']:.1f} experts "
+                         f"{r['observed_total'] / 1e9:.3f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, q1-tiny shapes")
+    ap.add_argument("--contexts", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8192, 65536))
+    ap.add_argument("--reps-fast", type=int, default=None)
+    ap.add_argument("--reps-ref", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay of the fast step")
+    ap.add_argument("--no-mini", action="store_true")
+    ap.add_argument("--no-q1", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="skip further q1 contexts past this")
+    args = ap.parse_args()
+    args.reps_fast = args.reps_fast or (1 if DRY_RUN else 20)
+    args.reps_ref = args.reps_ref or (1 if DRY_RUN else 5)
+    args.warmup = (0 if DRY_RUN else 3) if args.warmup is None else args.warmup
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name() if CUDA else "cpu (dry run: interpreter)",
+           "dry_run": DRY_RUN, "argv": sys.argv}
+    log(f"environment: {env}")
+    copy_bw = copy_bandwidth()
+    log(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+    if not args.no_mini:
+        bench_mini(args, copy_bw)
+    wbytes = None
+    if not args.no_q1:
+        wbytes = bench_q1(args, copy_bw)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "bench_step.json"), "w") as f:
+            json.dump({"env": env, "copy_bw": copy_bw, "weight_bytes": wbytes, "rows": ROWS}, f, indent=1)
+        keys = sorted({k for r in ROWS for k in r})
+        with open(os.path.join(out, "bench_step.csv"), "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=keys)
+            wr.writeheader()
+            wr.writerows(ROWS)
+        log(f"wrote {out}/bench_step.json, .csv")
+    log("done")
+    print(table(copy_bw), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

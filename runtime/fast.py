@@ -1,0 +1,303 @@
+"""The ``fast`` backend: the reference model with its decode-mode pieces on the Triton kernels.
+
+:class:`FastModel` is a :class:`~runtime.model.Model` (same weights, same checkpoint, same caches'
+layout) whose decode passes (``mode="decode"``: the speculative step, at most 8 rows) run on
+``runtime.kernels``; prefill stays on the reference torch path. Everything is BF16: weights, caches
+and activations, so the backend requires ``runtime.dtype=bfloat16`` (a clear error otherwise: the
+recorded dtype stays true, and snapshots of the BF16 reference restore into it unchanged).
+
+Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the normalised input):
+
+    qkv  = h @ [Wq; Wk; Wv]^T                  one GEMM (Wq/Wk/Wv are views of the fused weight)
+    q, k = RoPE(q, k)                          angles in float64, as the reference
+    cache[positions] <- k, v                   torch index_copy_ (ring: slot p % R, labels too)
+    o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
+    h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output
+    ids, weights = route(h)                    FP32 router logits from the BF16 input (reference)
+    m    = fused_moe_fp8(h, ids, weights, w13, s13, w2, s2)
+    h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only)
+
+so each residual add is fused with the norm that follows it (the reference's ``block`` does
+``x + attn(norm(x))`` then ``x + moe(norm(x))``: same values, rounded the same way, since the kernel
+rounds r to BF16 before normalising the stored value). The first norm of a pass, the MTP layer's
+``enorm``/``hnorm`` (written straight into the halves of the EH input) and the LM-head norm use the
+same kernel with a zero residual. ``start_pos`` is a device tensor (the rows' positions are
+consecutive by construction of the round), so no pass reads anything on the host.
+
+Sampling: :meth:`FastModel.sample_rows` is the hook :class:`~runtime.speculative.Round` uses for the
+served distribution and the draw: ``sample_topk_topp`` on the rank's logits, with the counter-based
+uniforms as input. Under rank emulation it runs on the local vocabulary slice and the candidate
+exchange is an excluded no-op (exactly what the reference's ``filter_dist`` does under emulation);
+under real tensor parallelism (peers exist) it falls back to the reference filter, which exchanges
+candidates.
+
+Where the kernels run: on CUDA. On a CPU only inside the Triton interpreter (``TRITON_INTERPRET=1``
+set before the kernels were imported, with the interpreter shims of ``tests/kernels/_interp.py``
+installed: without them the interpreter multiplies BF16 storage bits); anything else is a
+:class:`~runtime.config.ConfigError` at construction.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ConfigError, ModelConfig, SamplingConfig, Shard
+from .kernels import attention as _attn
+from .kernels import moe as _moe
+from .kernels import norm as _norm
+from .kernels import sampler as _sampler
+from .model import KVCache, LayerWeights, Model, ModelCache
+from .sampling import draw, filter_dist
+
+MAX_DECODE_ROWS = 8
+_BF16 = torch.bfloat16
+# Negative controls for the tests: a FastModel with one deliberately broken kernel argument.
+BROKEN = ("drop_sinks", "moe_scale_bug")
+
+
+def _jitted(mod):
+    return [v for v in vars(mod).values() if hasattr(v, "fn") and hasattr(v, "arg_names")]
+
+
+def kernels_runnable(device: torch.device) -> str | None:
+    """None when the kernels can run on ``device``; otherwise why not (a sentence)."""
+    if device.type == "cuda":
+        return None
+    if device.type != "cpu":
+        return f"device {device} is neither CUDA nor the CPU"
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return ("runtime.backend=fast runs Triton kernels and needs a CUDA device (runtime.device "
+                "resolved to cpu). Use runtime.backend=reference on machines without a GPU; the "
+                "kernels run on the CPU only in the Triton interpreter (tests: TRITON_INTERPRET=1 "
+                "before the kernels are imported, plus tests/kernels/_interp.py shims)")
+    import triton.language.standard as std
+    from triton.runtime import interpreter
+
+    if not isinstance(std.cdiv, interpreter.InterpretedFunction):
+        return ("TRITON_INTERPRET=1 is set but triton was imported before it: its library functions "
+                "are compiled ones (set the variable before anything imports triton)")
+    mods = (_attn, _moe, _norm, _sampler)
+    if any(not isinstance(f, interpreter.InterpretedFunction) for m in mods for f in _jitted(m)):
+        return ("TRITON_INTERPRET=1 is set but runtime.kernels were imported before it: their "
+                "kernels are compiled ones, which cannot run on the CPU (re-import them after "
+                "setting the variable)")
+    if not getattr(interpreter, "_iqrt_shims_installed", False):
+        return ("the Triton interpreter is active without the shims of tests/kernels/_interp.py: "
+                "its tl.dot on BF16 operands would multiply raw storage bits (wrong results)")
+    return None
+
+
+class FastModel(Model):
+    """One rank's shard with decode passes on the Triton kernels (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], shard: Shard,
+                 dtype: str = "bfloat16", device="cuda", comm=None, dense_moe: bool | None = None,
+                 broken: str | None = None):
+        why = kernels_runnable(torch.device(device))
+        if why:
+            raise ConfigError(why)
+        if dtype != "bfloat16":
+            raise ConfigError(f"runtime.backend=fast computes in bfloat16 (BF16 weights, caches and "
+                              f"activations); set runtime.dtype=bfloat16 (got {dtype})")
+        _check_shapes(cfg, shard)
+        super().__init__(cfg, tensors, shard, "bfloat16", device, comm, dense_moe)
+        self._setup(broken)
+
+    @classmethod
+    def from_model(cls, model: Model, broken: str | None = None) -> "FastModel":
+        """A fast model over an existing BF16 reference model's weights (shared, not copied; the
+        Q/K/V weights of the shared layers become views of one fused tensor, same values)."""
+        if model.dtype != _BF16:
+            raise ConfigError(f"the fast backend shares only BF16 weights; this model is {model.dtype}")
+        why = kernels_runnable(model.device)
+        if why:
+            raise ConfigError(why)
+        _check_shapes(model.cfg, model.shard)
+        fm = cls.__new__(cls)
+        fm.__dict__.update(model.__dict__)
+        fm._setup(broken)
+        return fm
+
+    def _setup(self, broken: str | None) -> None:
+        if broken is not None and broken not in BROKEN:
+            raise ValueError(f"broken must be one of {BROKEN}, got {broken!r}")
+        self.broken = broken
+        cfg, sh, dev = self.cfg, self.shard, self.device
+        d = cfg.head_dim
+        self._inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d)
+        self._router32: dict[int, torch.Tensor] = {}
+        self._qkv: dict[int, torch.Tensor] = {}
+        nq, nk = sh.num_heads * d, sh.num_kv_heads * d
+        for lw in self.layers + [m.layer for m in self.mtp]:
+            self._router32[id(lw)] = lw.router.float()
+            if lw.wq.shape[0] + lw.wk.shape[0] + lw.wv.shape[0] != nq + 2 * nk:
+                raise ConfigError("unexpected Q/K/V weight shapes")
+            base = lw.wq._base
+            if base is not None and base is lw.wk._base is lw.wv._base and base.shape[0] == nq + 2 * nk:
+                qkv = base          # already fused (another FastModel over the same weights)
+            else:
+                qkv = torch.cat([lw.wq, lw.wk, lw.wv], dim=0).contiguous()
+                lw.wq, lw.wk, lw.wv = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
+            self._qkv[id(lw)] = qkv
+        self._u0 = torch.zeros(MAX_DECODE_ROWS, dtype=torch.float32, device=dev)
+
+    # ---- caches -------------------------------------------------------------------------------------
+    def new_cache(self, capacity: int, dtype=None) -> ModelCache:
+        if dtype is not None and dtype != _BF16:
+            raise ValueError(f"the fast backend keeps BF16 caches, not {dtype}")
+        return super().new_cache(capacity, _BF16)
+
+    # ---- small pieces -------------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x) * w in BF16 through the fused kernel with a zero residual (x rounded to BF16
+        first, as the reference's ``rms_norm`` of a BF16 tensor)."""
+        x = x.to(_BF16).contiguous()
+        res = torch.zeros_like(x)
+        return _norm.fused_add_rmsnorm(x, res, w, self.cfg.rms_norm_eps, out)
+
+    def _rope_tables(self, positions: torch.Tensor):
+        """cos/sin [T, 1, d] (both halves) of the reference's RoPE, once per pass."""
+        ang = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
+        cos, sin = ang.cos().float(), ang.sin().float()
+        return torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        """The reference's rotate-half RoPE, x1*cos - x2*sin | x2*cos + x1*sin, in FP32 (exactly)."""
+        xf = x.float()
+        h = xf.shape[-1] // 2
+        rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
+        return (xf * cos2 + rot * sin2).to(x.dtype)
+
+    def route(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the reference (FP32 logits from the BF16-rounded input), with the FP32 router kept."""
+        r = self._router32.get(id(lw))
+        if r is None:
+            return super().route(lw, x)
+        logits = x.to(_BF16).float() @ r.T
+        top, ids = logits.topk(self.cfg.num_experts_per_tok, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+
+    # ---- decode-mode pieces on the kernels ----------------------------------------------------------
+    def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
+                        cache: KVCache, tab) -> torch.Tensor:
+        cfg, sh = self.cfg, self.shard
+        T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
+        qkv = h @ self._qkv[id(lw)].T
+        qk = self._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), tab["cos"], tab["sin"])
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+        o = torch.empty(T, nh, d, dtype=_BF16, device=h.device)
+        sinks = None if self.broken == "drop_sinks" else lw.sinks
+        if cache.kind == "full":
+            cache.k.index_copy_(1, positions, kt)
+            cache.v.index_copy_(1, positions, vt)
+            _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o)
+        else:
+            slots = tab.get(("slots", cache.slots))
+            if slots is None:
+                slots = tab[("slots", cache.slots)] = positions % cache.slots
+            cache.k.index_copy_(1, slots, kt)
+            cache.v.index_copy_(1, slots, vt)
+            cache.labels.index_copy_(0, slots, positions)
+            _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o)
+        out = o.view(T, nh * d) @ lw.wo.T
+        return self.comm.all_reduce(out) if sh.tp_size > 1 else out
+
+    def _moe_fast(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(lw, h)
+        y = _moe.fused_moe_fp8(h, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
+                               _scale_bug=self.broken == "moe_scale_bug")
+        return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
+
+    def _tables(self, positions: torch.Tensor) -> dict:
+        if positions.shape[0] > MAX_DECODE_ROWS:
+            raise ValueError(f"a decode pass takes at most {MAX_DECODE_ROWS} rows, got {positions.shape[0]}")
+        cos2, sin2 = self._rope_tables(positions)
+        return {"cos": cos2, "sin": sin2, "start": positions[:1]}
+
+    def _layers_fast(self, layers: list[LayerWeights], caches: list[KVCache], r: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        """Decode layers from the input r (BF16 [T, H]); returns the residual stream after them."""
+        eps = self.cfg.rms_norm_eps
+        tab = self._tables(positions)
+        x = r
+        r = torch.zeros_like(x)
+        h = _norm.fused_add_rmsnorm(x, r, layers[0].ln1, eps)           # r = x, h = norm(x)
+        for i, (lw, c) in enumerate(zip(layers, caches)):
+            a = self._attention_fast(lw, h, positions, c, tab)
+            h = _norm.fused_add_rmsnorm(a, r, lw.ln2, eps)              # r += attention
+            m = self._moe_fast(lw, h)
+            if i + 1 < len(layers):
+                h = _norm.fused_add_rmsnorm(m, r, layers[i + 1].ln1, eps)   # r += moe
+            else:
+                r.add_(m)
+        return r
+
+    # ---- whole passes ------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: ModelCache,
+                mode: str = "decode") -> torch.Tensor:
+        if mode != "decode":
+            return super().forward(tokens, positions, cache, mode)
+        x = self.embed_tokens(tokens).to(_BF16).contiguous()
+        return self._layers_fast(self.layers, cache.layers, x, positions)
+
+    def mtp_forward(self, hidden_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                    cache: ModelCache, mode: str = "decode", j: int = 0) -> torch.Tensor:
+        if mode != "decode":
+            return super().mtp_forward(hidden_prev, tokens, positions, cache, mode, j)
+        m, H = self.mtp[j], self.cfg.hidden_size
+        T = tokens.shape[0]
+        eh_in = torch.empty(T, 2 * H, dtype=_BF16, device=self.device)
+        self._norm(self.embed_tokens(tokens), m.enorm, out=eh_in[:, :H])
+        self._norm(hidden_prev, m.hnorm, out=eh_in[:, H:])
+        x = (eh_in @ m.eh.T).contiguous()
+        return self._layers_fast([m.layer], [cache.mtp[j]], x, positions)
+
+    def logits(self, hidden: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden.shape[0] > MAX_DECODE_ROWS:     # prefill-sized: the reference path
+            return super().logits(hidden, norm)
+        h = self._norm(hidden, self.final_norm if norm is None else norm)
+        return (h @ self.lm_head.T).float()
+
+    # ---- sampling hook (used by Round) --------------------------------------------------------------
+    def sample_rows(self, logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfig):
+        """(ids [T, k] int64 global token ids, probs [T, k] fp32, token [T] int64, index [T] int64) of
+        the served distribution of each row and its draw with the uniforms u [T] (u None: the draw is
+        meaningless, only the distribution is wanted)."""
+        T = logits.shape[0]
+        if self.comm.size > 1 and not getattr(self.comm, "emulated", False):
+            ids, probs = filter_dist(logits, s.temperature, s.top_k, s.top_p, self.shard.vocab_start, self.comm)
+            if u is None:
+                return ids, probs, ids[:, 0], torch.zeros_like(ids[:, 0])
+            tok, idx = draw(ids, probs, u)
+            return ids, probs, tok, idx
+        if u is None:
+            u = self._u0[:T] if T <= MAX_DECODE_ROWS else torch.zeros(T, device=logits.device)
+        ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
+                                                         s.top_k, s.top_p)
+        ids, tok = ids.long(), tok.long()
+        if self.shard.vocab_start:
+            ids, tok = ids + self.shard.vocab_start, tok + self.shard.vocab_start
+        if self.comm.size > 1:
+            self.comm.all_gather(ids)    # emulation: the candidate exchange, counted as excluded
+        return ids, probs, tok, idx.long()
+
+
+def _check_shapes(cfg: ModelConfig, shard: Shard) -> None:
+    problems = []
+    if cfg.fp8_block != 128:
+        problems.append(f"fp8_block {cfg.fp8_block} (the MoE kernel assumes 128)")
+    if shard.expert_width % 128:
+        problems.append(f"expert width per rank {shard.expert_width} is not a multiple of 128")
+    if cfg.head_dim not in (16, 32, 64, 128, 256):
+        problems.append(f"head_dim {cfg.head_dim} (attention kernel: a power of two in [16, 256])")
+    g = shard.num_heads // max(1, shard.num_kv_heads)
+    if MAX_DECODE_ROWS * g > 128:
+        problems.append(f"{g} query heads per KV head x 8 rows exceed the attention kernel's 128 rows")
+    if cfg.num_experts_per_tok * MAX_DECODE_ROWS > 64:
+        problems.append("more than 64 (row, expert) pairs per pass (MoE kernel)")
+    if problems:
+        raise ConfigError(f"model '{cfg.name}' cannot use the fast backend: " + "; ".join(problems))

@@ -1,0 +1,389 @@
+"""The fast backend (runtime/fast.py: decode pieces on the Triton kernels) against the reference.
+
+GPU tests (``@pytest.mark.gpu``) use the committed q1-mini checkpoint and a q1 rank-emulation shard;
+CPU tests run the same kernels in the Triton interpreter (only on machines without CUDA; the GPU
+tests cover the same checks there) on small q1-tiny variants.
+
+Logits bound. From one restored state (an FP32 reference prefill whose caches are copied into the
+fast model's BF16 caches), one verify pass of the fast backend is compared with the FP32 reference:
+``||fast - ref|| / ||ref||`` over the [w, V] logits must stay under LOGITS_BOUND = 5 %. Why 5 %:
+the BF16 reference itself (same weights, BF16 activations, no FP8) is 1.6-2.4 % off the FP32
+reference on q1-mini (CPU measurement, w = 4 and 8, a 1,062-token code prompt); the fast path adds
+E4M3 activations before Down (3 mantissa bits: ~2.6 % RMS relative rounding per element, ~2 % on
+the MoE output in the kernel tests) and the occasional routing flip where two experts tie within the
+BF16 noise; measured 1.5-1.7 % on q1-mini and 0.9-1.5 % on q1-tiny in the interpreter. The bound is
+~3x the measured error and must be failed by a fast model with one broken kernel argument: sinks
+dropped (q1-mini 16 %, q1-tiny at a 6-token context 7 %) or the MoE's weight scales read from the
+wrong block (q1-mini 11 %; invisible on random weights, whose blocks share one amax scale).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import os
+
+import pytest
+import torch
+
+from runtime.checkpoint import random_tensors
+from runtime.config import ConfigError, load_model_config, runtime_config_from_dict
+from runtime.engine import Engine
+from runtime.model import Model
+from runtime.nosync import forbid_host_sync
+from runtime.speculative import Round
+
+torch.set_num_threads(1)
+
+HAS_CUDA = torch.cuda.is_available()
+LOGITS_BOUND = 0.05
+KERNEL_MODULES = ("attention", "moe", "norm", "sampler")
+
+if not HAS_CUDA:
+    # As tests/kernels/conftest.py: the interpreter must be on before triton is first imported (its
+    # own library functions are jitted at import), with the shims for its BF16 dot.
+    os.environ["TRITON_INTERPRET"] = "1"
+    from tests.kernels import _interp
+
+    _interp.install()
+    import runtime.fast  # noqa: E402,F401  (imports triton and the kernels under the interpreter)
+
+cpu_only = pytest.mark.skipif(
+    HAS_CUDA, reason="interpreter tests run where there is no CUDA; the GPU tests cover the same checks")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")
+    o, r = out.double(), ref.double().to(out.device)
+    return ((o - r).norm() / r.norm()).item()
+
+
+def clone_state(st):
+    return dataclasses.replace(st, **{f.name: getattr(st, f.name).clone() for f in dataclasses.fields(st)})
+
+
+def copy_caches(dst, src):
+    """Restore: the reference's caches (any dtype) into the fast model's BF16 caches."""
+    for a, b in zip(dst.all, src.all):
+        assert a.kind == b.kind and a.k.shape == b.k.shape
+        a.k.copy_(b.k)
+        a.v.copy_(b.v)
+        a.labels.copy_(b.labels)
+
+
+def verify_logits(model, cache, st, w):
+    """The logits of one verify pass (rows 0..w-1 of the state) on a copy of the cache."""
+    pos = st.start + torch.arange(w, device=st.tokens.device)
+    with torch.no_grad():
+        return model.logits(model.forward(st.tokens[:w], pos, copy.deepcopy(cache), mode="decode"))
+
+
+def restored_pair(ref_engine, fast_model, prompt, budget=64, seed=0):
+    """(reference round, state, fast model's BF16 caches holding the same restored state)."""
+    rnd, st = ref_engine.start(prompt, seed, budget)
+    cache = fast_model.new_cache(ref_engine.capacity_for(len(prompt), budget))
+    copy_caches(cache, rnd.cache)
+    return rnd, st, cache
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """CPU: the kernels in the Triton interpreter (set up at import, above); kernel modules imported
+    earlier under the compiler are re-executed in place so that runtime.fast sees interpreted ones."""
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(std.cdiv, InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 in this process")
+    for name in KERNEL_MODULES:
+        mod = importlib.import_module(f"runtime.kernels.{name}")
+        jitted = [v for v in vars(mod).values() if hasattr(v, "fn") and hasattr(v, "arg_names")]
+        if any(not isinstance(v, InterpretedFunction) for v in jitted):
+            importlib.reload(mod)
+
+
+def tiny2(**changes):
+    """q1-tiny with 2 layers (sliding, full) and 128-wide experts: interpreter-sized."""
+    base = dict(num_layers=2, layer_pattern=("sliding", "full"), expert_width=128)
+    base.update(changes)
+    return dataclasses.replace(load_model_config("q1-tiny"), **base).validate()
+
+
+def random_prompt(n, vocab, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def code_prompt(repeat=3):
+    from snapshots import chat
+
+    code = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return f.read().splitlines()\n"
+    return chat.render([{"role": "user", "content": "Read util.py"},
+                        {"role": "tool_result", "content": code * repeat}])
+
+
+# ------------------------------------------------------------------------------------- CPU tests
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error without CUDA")
+def test_fast_backend_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        Engine.build("q1-tiny", {"backend": "fast", "device": "cpu"})
+
+
+def test_fast_backend_needs_bfloat16(request):
+    if not HAS_CUDA:
+        request.getfixturevalue("interp")
+    with pytest.raises(ConfigError, match="set runtime.dtype=bfloat16"):
+        Engine.build("q1-tiny", {"backend": "fast", "device": "cuda" if HAS_CUDA else "cpu", "dtype": "float32"})
+
+
+def test_fast_backend_refuses_shapes_the_kernels_cannot_take():
+    from runtime.config import make_shard
+    from runtime.fast import _check_shapes
+
+    cfg = tiny2(head_dim=24, num_heads=6, num_kv_heads=2)
+    with pytest.raises(ConfigError, match="head_dim 24"):
+        _check_shapes(cfg, make_shard(cfg, runtime_config_from_dict({}).tp))
+
+
+@cpu_only
+def test_interpreted_verify_logits_match_reference(interp):
+    """q1-tiny (2 layers): fast vs FP32 reference within the bound at a short context (sinks carry
+    weight) and past the ring's wrap; the sinks-dropped negative control fails it."""
+    from runtime.fast import FastModel
+
+    cfg = tiny2()
+    tensors = dict(random_tensors(cfg, seed=0))
+    ref = Engine(cfg, runtime_config_from_dict({"device": "cpu"}), tensors)
+    fast = FastModel(cfg, tensors, ref.shard, device="cpu")
+    broken = FastModel.from_model(Model(cfg, tensors, ref.shard, "bfloat16", "cpu"), broken="drop_sinks")
+    for L, control in ((6, True), (120, False)):
+        rnd, st, cache = restored_pair(ref, fast, random_prompt(L, cfg.vocab_size, seed=L))
+        lr = verify_logits(ref.model, rnd.cache, st, 8)
+        e = rel_err(verify_logits(fast, cache, st, 8), lr)
+        print(f"q1-tiny/2 layers, context {L}, w=8: fast vs FP32 reference logits rel err {e:.4f}")
+        assert e < LOGITS_BOUND, (L, e)
+        if control:
+            eb = rel_err(verify_logits(broken, cache, st, 8), lr)
+            print(f"  negative control drop_sinks: {eb:.4f}")
+            assert eb > LOGITS_BOUND, eb
+
+
+@cpu_only
+def test_interpreted_step_is_sync_free(interp):
+    """verify / draft_first / draft_next of the fast backend under the host-sync guard."""
+    eng = Engine(tiny2(), runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16"}),
+                 dict(random_tensors(tiny2(), seed=0)))
+    rnd, st = eng.start(random_prompt(40, 512), 0, 32)
+    w = st.width()
+    with torch.no_grad(), forbid_host_sync():
+        rnd.verify(st, w)
+        rnd.draft_first(st, w)
+        rnd.draft_next(st, 2)
+    assert int(st.step) == 1 and int(st.n_drafts) == 2
+    assert 0 <= int(st.accepted) <= w - 1
+    assert (st.q_probs[1:3].sum(-1) - 1).abs().max() < 1e-5
+
+
+@cpu_only
+@pytest.mark.slow
+def test_interpreted_rank_emulation_q1_shapes(interp):
+    """tp.size=8 tp.emulate_rank=0 on a q1 variant (small hidden size and depth): one rank's shapes
+    (6 query heads, 1 KV head, a 20,000-logit slice, 256-wide expert shards) through the kernels."""
+    from runtime.fast import FastModel
+
+    cfg = dataclasses.replace(load_model_config("q1"), hidden_size=256, num_layers=2, num_experts=16,
+                              layer_pattern=("sliding", "full"), sliding_window=64,
+                              max_context=4096).validate()
+    rt = runtime_config_from_dict({"device": "cpu", "tp": {"size": 8, "emulate_rank": 0}})
+    tensors = dict(random_tensors(cfg, rt.tp, seed=0))
+    ref = Engine(cfg, rt, tensors)
+    fast = FastModel(cfg, tensors, ref.shard, device="cpu", comm=ref.comm)
+    sh = fast.shard
+    assert (sh.num_heads, sh.num_kv_heads, sh.vocab_size, sh.expert_width) == (6, 1, 20000, 256)
+    assert fast.layers[0].w13.shape == (16, 512, 256) and fast.lm_head.shape == (20000, 256)
+    rnd, st, cache = restored_pair(ref, fast, random_prompt(70, cfg.vocab_size))
+    lf = verify_logits(fast, cache, st, 4)
+    assert lf.shape == (4, 20000)
+    e = rel_err(lf, verify_logits(ref.model, rnd.cache, st, 4))
+    print(f"q1 rank-emulation variant (H=256, 2 layers), w=4: rel err {e:.4f}; excluded collectives "
+          f"{ref.comm.excluded_calls}")
+    assert e < LOGITS_BOUND
+
+
+# ------------------------------------------------------------------------------------- GPU tests
+@pytest.fixture(scope="module")
+def mini_pair():
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    ref = Engine.build("q1-mini", {"device": "cuda", "draft": {"policy": "fixed", "fixed_depth": 5}})
+    fast = Engine.build("q1-mini", {"device": "cuda", "backend": "fast", "dtype": "bfloat16",
+                                    "draft": {"policy": "fixed", "fixed_depth": 5}})
+    return ref, fast
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 5, 6, 7, 8])
+def test_q1_mini_verify_logits(mini_pair, w):
+    ref, fast = mini_pair
+    rnd, st, cache = restored_pair(ref, fast.model, code_prompt(30))
+    lr = verify_logits(ref.model, rnd.cache, st, w)
+    e = rel_err(verify_logits(fast.model, cache, st, w), lr)
+    print(f"q1-mini w={w}: fast vs FP32 reference logits rel err {e:.4f}")
+    assert e < LOGITS_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("broken", ["drop_sinks", "moe_scale_bug"])
+def test_q1_mini_broken_kernel_argument_fails_the_bound(mini_pair, broken):
+    from runtime.fast import FastModel
+
+    ref, fast = mini_pair
+    bad = FastModel.from_model(fast.model, broken=broken)
+    rnd, st, cache = restored_pair(ref, fast.model, code_prompt(30))
+    e = rel_err(verify_logits(bad, cache, st, 8), verify_logits(ref.model, rnd.cache, st, 8))
+    print(f"q1-mini negative control {broken}: rel err {e:.4f}")
+    assert e > LOGITS_BOUND
+
+
+def lockstep_agreement(ref, fast, prompt, seed, budget=64):
+    """Decode with the reference; before every step the fast backend is re-synchronised to the
+    reference's state (caches copied into BF16, decode state cloned) and runs the same step. Returns
+    (tokens the reference emitted, of which the fast step emitted the same at the same index, steps,
+    steps with the same accepted count, steps with identical emitted tokens and draft tokens)."""
+    rnd, st, cache = restored_pair(ref, fast.model, prompt, budget, seed)
+    frnd = Round(fast.model, cache, fast.rt.sampling, fast.rt.draft)
+    tokens = same_tokens = steps = same_acc = same_step = 0
+    with torch.no_grad():
+        while not bool(st.done):
+            w = st.width()
+            copy_caches(cache, rnd.cache)
+            fst = clone_state(st)
+            for r, s, eng in ((rnd, st, ref), (frnd, fst, fast)):
+                r.verify(s, w)
+                if not bool(s.done):
+                    r.draft_first(s, w)
+                    eng._draft_rest(s, r)
+            emitted_r = st.emitted[:int(st.accepted) + 1].tolist()
+            emitted_f = fst.emitted[:int(fst.accepted) + 1].tolist()
+            tokens += len(emitted_r)
+            same_tokens += sum(a == b for a, b in zip(emitted_r, emitted_f))
+            steps += 1
+            same_acc += int(st.accepted) == int(fst.accepted)
+            same_step += emitted_r == emitted_f and torch.equal(st.tokens, fst.tokens)
+    return tokens, same_tokens, steps, same_acc, same_step
+
+
+@pytest.mark.gpu
+def test_q1_mini_generation_fast_vs_reference(mini_pair):
+    """64 tokens from the same restored state, 4 seeds, fast vs the FP32 reference.
+
+    Free-running, the two generations share the counter-based uniforms, so they agree until BF16/FP8
+    noise moves one draw across a CDF boundary; after that the contexts differ and so does everything
+    (reported: identical-prefix fraction and accepted drafts per step, which must be similar).
+    In lockstep (the fast step re-synchronised to the reference's state before every step) the
+    per-token agreement measures the noise directly: the tokens must be mostly identical."""
+    ref, fast = mini_pair
+    prompt = code_prompt(6)
+    prefix, acc_r, acc_f, lock = [], [], [], []
+    for seed in range(4):
+        rnd, st, cache = restored_pair(ref, fast.model, prompt, seed=seed)
+        frnd = Round(fast.model, cache, fast.rt.sampling, fast.rt.draft)
+        fst = clone_state(st)
+        gr, gf = ref.decode(rnd, st), fast.decode(frnd, fst)
+        n = min(len(gr.tokens), len(gf.tokens))
+        same = next((i for i in range(n) if gr.tokens[i] != gf.tokens[i]), n)
+        prefix.append(same / max(1, n))
+        acc_r.append(gr.accepted_per_step)
+        acc_f.append(gf.accepted_per_step)
+        tok, same_tok, steps, same_acc, same_step = lockstep_agreement(ref, fast, prompt, seed)
+        lock.append((tok, same_tok, steps, same_acc, same_step))
+        print(f"seed {seed}: free-running identical prefix {same}/{n}, accepted/step ref "
+              f"{gr.accepted_per_step:.2f} fast {gf.accepted_per_step:.2f}; lockstep: tokens "
+              f"{same_tok}/{tok} identical, accepted count equal in {same_acc}/{steps} steps, "
+              f"whole step identical in {same_step}/{steps}")
+    mean = lambda x: sum(x) / len(x)  # noqa: E731
+    tok_frac = sum(x[1] for x in lock) / sum(x[0] for x in lock)
+    print(f"mean identical-prefix fraction {mean(prefix):.3f}; accepted/step ref {mean(acc_r):.2f} fast "
+          f"{mean(acc_f):.2f}; lockstep token agreement {tok_frac:.3f}")
+    assert tok_frac >= 0.8
+    assert abs(mean(acc_f) - mean(acc_r)) <= 0.25 * mean(acc_r) + 0.3
+
+
+@pytest.mark.gpu
+def test_gpu_step_is_sync_free(mini_pair):
+    _, fast = mini_pair
+    rnd, st = fast.start(code_prompt(3), 0, 32)
+    w = st.width()
+    with torch.no_grad(), forbid_host_sync():
+        rnd.verify(st, w)
+        rnd.draft_first(st, w)
+        for k in range(2, 8):
+            rnd.draft_next(st, k)
+    torch.cuda.synchronize()
+    assert int(st.step) == 1 and int(st.n_drafts) == 7
+
+
+@pytest.mark.gpu
+def test_gpu_fast_step_is_graph_capturable(mini_pair):
+    """One step captured as a CUDA graph replays to the same state as the eager step."""
+    _, fast = mini_pair
+    rnd, st = fast.start(code_prompt(3), 0, 32)
+    w = st.width()
+    st0, cache0 = clone_state(st), copy.deepcopy(rnd.cache)
+
+    def step():
+        rnd.verify(st, w)
+        rnd.draft_first(st, w)
+        for k in range(2, 6):
+            rnd.draft_next(st, k)
+
+    def restore():
+        for f in dataclasses.fields(st):
+            getattr(st, f.name).copy_(getattr(st0, f.name))
+        copy_caches(rnd.cache, cache0)
+
+    with torch.no_grad():
+        step()
+        eager = clone_state(st)
+        restore()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        restore()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        restore()
+        g.replay()
+        torch.cuda.synchronize()
+    for f in dataclasses.fields(st):
+        assert torch.equal(getattr(st, f.name), getattr(eager, f.name)), f.name
+
+
+@pytest.mark.gpu
+def test_gpu_rank_emulation_q1_shard():
+    """tp.size=8 tp.emulate_rank=0 on q1 (4 layers, 16 experts: the real per-rank shapes, H = 6144):
+    logits within the bound of the reference, and the step under the host-sync guard."""
+    cfg = dataclasses.replace(load_model_config("q1"), num_layers=4, num_experts=16).validate()
+    rt = {"device": "cuda", "tp": {"size": 8, "emulate_rank": 0}, "draft": {"policy": "fixed", "fixed_depth": 5}}
+    tensors = dict(random_tensors(cfg, runtime_config_from_dict(rt).tp, seed=0, device="cuda"))
+    ref = Engine(cfg, runtime_config_from_dict(rt), tensors)
+    fast = Engine(cfg, runtime_config_from_dict({**rt, "backend": "fast", "dtype": "bfloat16"}), tensors)
+    sh = fast.shard
+    assert (sh.num_heads, sh.num_kv_heads, sh.vocab_size, sh.expert_width) == (6, 1, 20000, 256)
+    rnd, st, cache = restored_pair(ref, fast.model, random_prompt(300, cfg.vocab_size))
+    e = rel_err(verify_logits(fast.model, cache, st, 6), verify_logits(ref.model, rnd.cache, st, 6))
+    print(f"q1 rank-emulation (4 layers) w=6: rel err {e:.4f}")
+    assert e < LOGITS_BOUND
+    frnd = Round(fast.model, cache, fast.rt.sampling, fast.rt.draft)
+    with torch.no_grad(), forbid_host_sync():
+        frnd.verify(st, 6)
+        frnd.draft_first(st, 6)
+        for k in range(2, 6):
+            frnd.draft_next(st, k)
+    torch.cuda.synchronize()
+    assert int(st.n_drafts) == 5 and 0 <= int(st.tokens[:6].max()) < 20000
