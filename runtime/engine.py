@@ -184,7 +184,11 @@ class Engine:
                 sync()
                 dt = time.perf_counter_ns() - t0
                 if delay > 0:   # calibration only: a known, proportional slowdown
-                    time.sleep(dt * delay / 1e9)
+                    # busy-wait, not sleep: an idle core changes clocks and caches, so a sleep's
+                    # real cost on the next step is not the injected fraction
+                    until = time.perf_counter_ns() + int(dt * delay)
+                    while time.perf_counter_ns() < until:
+                        pass
                     dt = time.perf_counter_ns() - t0
                 step_ns.append(dt)
                 step_t0.append(t0)
