@@ -2,7 +2,8 @@
 coverage, and the acceptance rule — measured, not simulated.
 
     python experiments/replay_calibration.py [n_aa=20] [n_slow=20] [n_policy=3] [slowdown=0.10]
-        [requests=12] [max_new_tokens=32] [model=q1-mini] [out=experiments/results/replay_calibration]
+        [requests=12] [max_new_tokens=32] [policy_tokens=128] [model=q1-mini]
+        [out=experiments/results/replay_calibration]
 
 Scenarios, each a series of independent `python -m replay.paired` runs (both arms at HEAD; each
 replicate uses its own request seed and schedule seed, so token sequences and arm orders differ):
@@ -39,7 +40,7 @@ from harness_calibration import FPR_BOUNDS, summarize  # noqa: E402
 
 DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests": 12, "max_new_tokens": 32,
             "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
-            "n_boot": 1000, "alpha": 0.05, "seed": 0}
+            "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128}
 
 
 def parse(argv):
@@ -65,7 +66,9 @@ def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
                        "candidate.runtime.draft.policy=fixed", "candidate.runtime.draft.fixed_depth=7"]}[scenario]
     cmd = [sys.executable, "-m", "replay.paired", "control=HEAD", "candidate=HEAD", f"model={s['model']}",
            "allow_identical=true", "traces.name=claude400", f"requests.n={s['requests']}",
-           "requests.select=shortest", f"max_new_tokens={s['max_new_tokens']}", f"seed={s['seed'] + i}",
+           "requests.select=shortest", f"seed={s['seed'] + i}",
+           # acceptance is a per-step average: the policy scenario decodes longer so it is measured
+           f"max_new_tokens={s['policy_tokens'] if scenario == 'policy' else s['max_new_tokens']}",
            f"request_seed={1000 * (s['seed'] + 1) + i}", "tracking.enabled=false", "report=false",
            "progress=false", f"RUN_DIR={run_dir}", *over]
     t0 = time.time()
