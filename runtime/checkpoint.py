@@ -243,6 +243,9 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: Iterator[tuple[
         json.dump({"format_version": FORMAT_VERSION, "model": cfg.to_dict(),
                    "tp": {"size": tp.size, "rank": shard.rank}, "content_hash": chash, **(extra or {})},
                   f, indent=1)
+    os.chmod(tmp, 0o755)   # mkdtemp makes 0700; a checkpoint is shared data
+    for f in tmp.iterdir():
+        os.chmod(f, 0o644)
     if path.exists():
         old = path.with_name(path.name + ".old")
         os.replace(path, old)
