@@ -32,26 +32,17 @@ import statistics
 import sys
 import time
 
-DRY_RUN = "--dry-run" in sys.argv
-if DRY_RUN:  # before triton is imported: its own library functions must be interpreted too
-    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import DEV, DRY_RUN, copy_bandwidth  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-if DRY_RUN:
-    from tests.kernels import _interp  # noqa: E402
-
-    _interp.install()
 
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
 from runtime.kernels import norm as N  # noqa: E402
 from runtime.kernels import sampler as S  # noqa: E402
 
-DEV = torch.device("cpu" if DRY_RUN else "cuda")
 ROWS: list[dict] = []
 
 # Shapes: the q1 rank-emulation shard (and q1-mini where asked); toy shapes for --dry-run.
@@ -68,33 +59,6 @@ if DRY_RUN:
 
 
 # ----------------------------------------------------------------------------------- timing
-def copy_bandwidth(nbytes=2 * 2**30, reps=10):
-    if DRY_RUN:
-        nbytes, reps = 2**24, 2
-    a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(reps):
-        if DRY_RUN:
-            t0 = time.perf_counter()
-            b.copy_(a)
-            ts.append(time.perf_counter() - t0)
-            continue
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-    del a, b
-    if not DRY_RUN:
-        torch.cuda.empty_cache()
-    t = statistics.median(ts)
-    return 2 * nbytes / t, t
-
-
 def graph_time(calls, reps=25):
     """Median seconds per call over replays of one graph holding every call once."""
     if DRY_RUN:

@@ -45,19 +45,10 @@ import statistics
 import sys
 import time
 
-DRY_RUN = "--dry-run" in sys.argv
-if DRY_RUN:  # before triton is imported: its own library functions must be interpreted too
-    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, time_call  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-if DRY_RUN:
-    from tests.kernels import _interp  # noqa: E402
-
-    _interp.install()
-
 import triton  # noqa: E402
 
 from runtime.checkpoint import random_tensors  # noqa: E402
@@ -68,8 +59,6 @@ from runtime.model import Model  # noqa: E402
 from runtime.parallel import make_comm  # noqa: E402
 from runtime.speculative import DecodeState, Round  # noqa: E402
 
-DEV = torch.device("cpu" if DRY_RUN else "cuda")
-CUDA = DEV.type == "cuda"
 T_START = time.perf_counter()
 ROWS: list[dict] = []
 W, DEPTHS = 6, 5             # live rows of the verify pass; draft-layer passes (depth 1 + 2..5)
@@ -84,36 +73,6 @@ def log(msg: str) -> None:
 def sync() -> None:
     if CUDA:
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(nbytes=2 * 2**30, reps=10) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (median)."""
-    if DRY_RUN:
-        nbytes, reps = 2**24, 2
-    a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ts = [time_call(lambda: b.copy_(a)) for _ in range(reps)]
-    del a, b
-    if CUDA:
-        torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(ts)
-
-
-def time_call(fn) -> float:
-    """Seconds of one call: CUDA events on the GPU (host launch time included when the host is the
-    bottleneck, as for eager launches), wall clock on the CPU."""
-    if not CUDA:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) * 1e-3
 
 
 def time_step(step, restore, reps: int, warmup: int) -> dict:
@@ -465,7 +424,7 @@ def main() -> int:
            "device": torch.cuda.get_device_name() if CUDA else "cpu (dry run: interpreter)",
            "dry_run": DRY_RUN, "argv": sys.argv}
     log(f"environment: {env}")
-    copy_bw = copy_bandwidth()
+    copy_bw, _ = copy_bandwidth()
     log(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     if not args.no_mini:
         bench_mini(args, copy_bw)

@@ -1,0 +1,62 @@
+"""What the GPU benchmarks share: the ``--dry-run`` switch and the copy-bandwidth ceiling.
+
+Import this before triton: with ``--dry-run`` it turns on the Triton interpreter (the kernels then
+run on the CPU at toy shapes, to check a script end to end without a GPU) and installs the test
+shims the interpreter needs. ``DEV`` is the device the benchmark runs on.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+DRY_RUN = "--dry-run" in sys.argv
+if DRY_RUN:  # before triton is imported: its own library functions must be interpreted too
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+if DRY_RUN:
+    from tests.kernels import _interp  # noqa: E402
+
+    _interp.install()
+
+DEV = torch.device("cpu" if DRY_RUN else "cuda")
+CUDA = DEV.type == "cuda"
+
+
+def time_call(fn) -> float:
+    """Seconds of one call: CUDA events on the GPU (host launch time included when the host is the
+    bottleneck, as for eager launches), wall clock on the CPU."""
+    if not CUDA:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e-3
+
+
+def _copy_seconds(nbytes: int, reps: int) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    return statistics.median([time_call(lambda: b.copy_(a)) for _ in range(reps)])
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 10) -> tuple[float, float]:
+    """(bytes read + written per second, median seconds) of a device-to-device copy: the ceiling
+    every kernel and step is reported against."""
+    if DRY_RUN:
+        nbytes, reps = 2**24, 2
+    t = _copy_seconds(nbytes, reps)
+    if CUDA:
+        torch.cuda.empty_cache()   # the 4 GiB of copy buffers are gone by now
+    return 2 * nbytes / t, t
