@@ -23,7 +23,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 ARMS = ("control", "candidate", "aa")

@@ -17,7 +17,7 @@ from . import checkpoint as ckpt
 from . import rng
 from .config import (REPO_ROOT, ConfigError, ModelConfig, RuntimeConfig, load_model_config, make_shard,
                      model_config_from_dict, runtime_config_from_dict)
-from .model import Model, ModelCache
+from .model import Model
 from .parallel import make_comm
 from .sampling import draw, filter_dist
 from .speculative import (LOG_ACCEPTED, LOG_CACHE_LEN, LOG_DRAFTS, LOG_EMITTED, LOG_NEXT_DRAFTS,

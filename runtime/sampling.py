@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from . import rng
-
 _LOW32 = 0xFFFFFFFF
 
 
@@ -100,7 +98,3 @@ def verify_drafts(p_ids, p_probs, q_ids, q_probs, drafts, u_accept, u_resid, u_b
     bonus, _ = draw(p_ids[w1:w1 + 1], p_probs[w1:w1 + 1], u_bonus.reshape(1))
     cand = torch.cat([repl, bonus])
     return n, cand.gather(0, n.reshape(1))[0]
-
-
-def uniforms(seed, positions: torch.Tensor, purpose: int) -> torch.Tensor:
-    return rng.uniform(seed, positions, purpose)
