@@ -129,8 +129,8 @@ class Round:
         em = torch.cat([drafts, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))   # [w]
         count = self._emit(st, em, n)
         row = torch.zeros(LOG_COLS, dtype=torch.int64, device=dev)
-        row[LOG_WIDTH] = w
-        row[LOG_DRAFTS] = w - 1
+        row[LOG_WIDTH].fill_(w)        # fill_ takes the int as a kernel argument; `row[i] = w` would
+        row[LOG_DRAFTS].fill_(w - 1)   # copy a host scalar tensor to the device (a sync, not capturable)
         row[LOG_ACCEPTED] = n
         row[LOG_EMITTED] = count
         row[LOG_CACHE_LEN] = P + n + 1
