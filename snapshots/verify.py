@@ -107,14 +107,26 @@ def verify_snapshot(engine, snapshot_dir: str | Path, budget: int | None = None,
     return q
 
 
+def _passed(p: Path) -> bool:
+    try:
+        q = load_manifest(p, check_files=False).get("qualification")
+    except SnapshotError:
+        return False
+    return bool(q and q.get("passed"))
+
+
 def select_snapshots(directory: Path, limit: int | None = None, sample: int | None = None,
-                     sample_seed: int = 0, order: str = "length") -> list[Path]:
+                     sample_seed: int = 0, order: str = "length", unverified_only: bool = False) -> list[Path]:
     """Snapshot directories of a group (incomplete ``.tmp-`` ones left out), shortest first;
     `limit`: the N shortest; `sample`: a seeded random N of them; ``order="shuffle"``: the
-    selection in seeded random order (a run cut short by a time limit still spans all lengths)."""
+    selection in seeded random order (a run cut short by a time limit still spans all lengths);
+    `unverified_only`: leave out snapshots whose manifest already records a passed qualification
+    (continues a verify run cut short by time_limit_s)."""
     if not directory.is_dir():
         raise SnapshotError(f"{directory}: no snapshots here (capture first: python -m snapshots.capture ...)")
     dirs = [p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(TMP_PREFIX)]
+    if unverified_only:
+        dirs = [p for p in dirs if not _passed(p)]
 
     def length(p: Path) -> int:
         try:
@@ -149,6 +161,7 @@ Decode every selected snapshot from real prefill and from its restore; they must
   record=false                    do not write qualifications into the manifests
   time_limit_s=N order=shuffle    start no snapshot after N seconds (reported as PARTIAL); shuffle
                                   the order so a partial run spans all prompt lengths
+  unverified_only=true            skip snapshots already qualified (continue a PARTIAL run)
   store=DIR out=FILE.json runtime.device=cuda ...
 
 Exit status: 0 all passed (or, with broken=, all rejected); 1 otherwise; 2 bad arguments."""
@@ -173,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = build_engine(cfg)
         gdir = group_dir(cfg["store"], engine.cfg.name, engine.checkpoint_hash, cfg["traces"])
-        dirs = select_snapshots(gdir, cfg["limit"], cfg["sample"], int(cfg["sample_seed"]), cfg["order"])
+        dirs = select_snapshots(gdir, cfg["limit"], cfg["sample"], int(cfg["sample_seed"]), cfg["order"],
+                                bool(cfg["unverified_only"]))
     except ArgumentError as e:
         print(f"error: {e}\n(see --help)", file=sys.stderr)
         return 2
@@ -181,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     broken = cfg["broken"]
+    if cfg["unverified_only"] and not dirs:
+        print(f"nothing to verify: every snapshot in {gdir} already records a passed qualification")
+        return 0
     print(f"verify {len(dirs)} snapshots in {gdir} on {engine.device}/{engine.rt.dtype}"
           + (f" — NEGATIVE CONTROL broken={broken}" if broken else ""))
     print(f"{'request':<12} {'prompt':>7} {'tokens':>6} {'steps':>9} {'tokens=':>7} {'steps=':>6} "

@@ -262,6 +262,15 @@ def test_q1_mini_capture_verify_cli(corpus_args, tmp_path, capsys):
     assert verify.main(vargs) == 0
     q = json.loads((d / MANIFEST).read_text())["qualification"]
     assert q["passed"] and q["state_exact"] and q["tokens_compared"] >= 1
+    # continuing a partial run: the qualified snapshot is skipped; a damaged qualification is not
+    assert verify.main(vargs + ["unverified_only=true"]) == 0
+    assert "nothing to verify" in capsys.readouterr().out
+    assert verify.select_snapshots(d.parent, unverified_only=True) == []
+    m = json.loads((d / MANIFEST).read_text())
+    m["qualification"]["passed"] = False
+    (d / MANIFEST).write_text(json.dumps(m))
+    assert verify.select_snapshots(d.parent, unverified_only=True) == [d]
+    assert verify.main(vargs + ["unverified_only=true"]) == 0 and verify.select_snapshots(d.parent, unverified_only=True) == []
     assert verify.main(vargs + ["broken=cache_len_off_by_one", "budget=8"]) == 0    # 0: the control was rejected
     assert "1/1 rejected" in capsys.readouterr().out
     assert verify.main(vargs + ["time_limit_s=0", "order=shuffle", "record=false"]) == 1   # nothing verified
