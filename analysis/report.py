@@ -275,6 +275,16 @@ def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
             e = a.adjusted
             B.append(("p", f"A/A-adjusted TPOT effect (per request log(cand/ctrl) − log(aa/ctrl)): "
                            f"{verdict.fmt_pct(e)} {lvl}, p={_p_fmt(e.p)}, n={e.n}."))
+        t = a.effects["tpot"]
+        if t.ci_requests is not None:
+            lo, hi = (stats.pct(v) for v in t.ci_requests)
+            B.append(("p", f"Arm offset: the A/A arm differs from control by more than its own request "
+                           f"noise (offset sd {100 * t.arm_sd:.2f}% on the log scale), so every "
+                           f"candidate interval above is widened by it in quadrature; the TPOT interval "
+                           f"from resampling requests alone is [{lo:+.1f}%, {hi:+.1f}%]."))
+        else:
+            B.append(("p", "Arm offset: the A/A arm shows no offset beyond its own request noise; the "
+                           "intervals are the request-resampling ones."))
     t, s, q = a.effects["tpot"], a.effects["step"], a.effects["tps"]
     B += [("h", 2, "Decomposition"),
           ("p", f"log TPOT ratio = log step-latency ratio − log tokens-per-step ratio: "

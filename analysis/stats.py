@@ -25,6 +25,19 @@ covered the true effect in about 93% of datasets at 50-100 requests but only abo
 the interval is expanded by t_{n-1}/z·sqrt(n/(n-1)) around the mean (negligible at 100 requests,
 +12% at 16); real-replay calibration: experiments/replay_calibration.py.
 
+Arm offsets. Each arm of a run is one loaded copy of the runtime in one process; its step latency
+can carry an offset of its own (memory placement, code layout, allocator state) that is the same
+for all requests of the run, so resampling requests cannot see it: on the CPU, 12 real replays
+with an injected +10% slowdown scattered 1.3x more between runs than the request-bootstrap
+intervals allowed, and 2 of 12 missed the injected value. The A/A arm measures exactly this: its
+contrast with control is ``delta_aa - delta_control`` plus request noise, so
+``tau^2 = max(0, mean_aa^2 - se_aa^2)`` (se_aa = sd/sqrt(n) of the A/A log-ratios) estimates the
+variance an arm offset adds to *any* contrast with control. Each candidate-vs-control interval
+(and the A/A-adjusted one) is widened by it in quadrature: half-width_side ->
+sqrt(half-width_side^2 + (z tau)^2). ``Effect.ci_requests`` keeps the request-only interval and
+``Effect.arm_sd`` the tau used (0 when the A/A arm shows no offset beyond its own noise). The A/A
+effect itself is not widened (it is the estimator).
+
 Also computed: bit-exactness per request (identical ``tokens_sha`` across arms and reps), drift
 (slope of the per-request log-ratio against run order, with CI) and the effect against context
 length (slope per doubling, and per context-length bin).
@@ -236,6 +249,8 @@ class Effect:
     before: float                 # geometric mean of the metric in ``base`` over the same requests
     after: float                  # ... in ``arm``
     level: float = LEVEL
+    ci_requests: tuple[float, float] | None = None   # before widening for the arm offset (None: not widened)
+    arm_sd: float = 0.0           # tau: the arm-offset sd the interval was widened by
 
     @property
     def ratio(self) -> float:
@@ -254,7 +269,25 @@ class Effect:
         d.update(ratio=self.ratio, pct=self.pct, pct_ci=list(self.pct_ci),
                  hl_pct=pct(self.hl), hl_pct_ci=[pct(v) for v in self.hl_ci], mde_pct=pct(self.mde))
         d["ci"], d["hl_ci"] = list(self.ci), list(self.hl_ci)
+        d["ci_requests"] = list(self.ci_requests) if self.ci_requests is not None else None
         return d
+
+
+def arm_offset_sd(aa: Effect) -> float:
+    """tau: sd of an arm offset against control, from the A/A contrast (method of moments, >= 0)."""
+    if aa is None or aa.n < 2 or not (math.isfinite(aa.mean) and math.isfinite(aa.sd)):
+        return 0.0
+    return math.sqrt(max(0.0, aa.mean ** 2 - aa.sd ** 2 / aa.n))
+
+
+def widen_for_arm_offset(e: Effect, tau: float) -> Effect:
+    """``e`` with its interval widened in quadrature by z * tau on each side (see module docstring)."""
+    if not (tau > 0 and all(math.isfinite(v) for v in e.ci)):
+        return e
+    h = scipy.stats.norm.ppf(0.5 + e.level / 2) * tau
+    lo, hi = e.ci
+    ci = (e.mean - math.hypot(e.mean - lo, h), e.mean + math.hypot(hi - e.mean, h))
+    return dataclasses.replace(e, ci=ci, ci_requests=(lo, hi), arm_sd=tau)
 
 
 def summarize(x, metric: str, arm: str, base: str, before_logs=None, after_logs=None,
@@ -394,8 +427,9 @@ class Analysis:
 
 
 def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,
-            method: str = "BCa", alpha: float = ALPHA) -> Analysis:
-    """All statistics of one run. Raises ValueError when no request has both control and candidate."""
+            method: str = "BCa", alpha: float = ALPHA, widen: bool = True) -> Analysis:
+    """All statistics of one run. Raises ValueError when no request has both control and candidate.
+    ``widen=False`` keeps the request-only intervals (no arm-offset widening; for calibration)."""
     decodes = decode_metrics(run.steps)
     req = request_metrics(decodes, run.requests)
     arms = [a for a in ("control", "candidate", "aa") if (req["arm"] == a).any()]
@@ -433,6 +467,10 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         ca = paired_table(cand_vs_aa, "candidate", "aa").reindex(both.index)
         adjusted = summarize(both, "tpot", "candidate", "aa(adjusted)", ca["aa_log_tpot"],
                              ca["candidate_log_tpot"], **kw)
+        if widen:
+            for m in aa:
+                effects[m] = widen_for_arm_offset(effects[m], arm_offset_sd(aa[m]))
+            adjusted = widen_for_arm_offset(adjusted, arm_offset_sd(aa["tpot"]))
         if len(aat) > 2:
             drift["aa"] = robust_slope(aat["tpot"], aat["order"], level=level,
                                     y_name="log TPOT ratio aa/control", x_name="run order")
@@ -465,6 +503,6 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         effects=effects, aa=aa, adjusted=adjusted, identity_residual=residual, bit_exact=bit,
         drift=drift, context_slope=ctx_slope, context_bins=bins, per_request=per,
         decodes=decodes, settings={"level": level, "n_boot": n_boot, "seed": seed,
-                                   "method": method, "alpha": alpha},
+                                   "method": method, "alpha": alpha, "widen": widen},
         n_unpaired=int(req["request_id"].nunique() - len(cand)),
     )

@@ -49,6 +49,9 @@ class SyntheticSpec:
     request_effect_sd: float = 0.0     # per-request random effect on the candidate multiplier
     acceptance_multiplier: float = 1.0  # candidate per-draft acceptance probability multiplier
     aa_offset: float = 0.0             # A/A arm step latency multiplier exp(.)
+    arm_offset_sd: float = 0.0         # every arm's own random latency offset in this run (sd, log
+                                       # scale): a loaded copy's layout/placement, the same for all
+                                       # its requests (drawn from a separate stream: seeds unchanged)
     drift_env: float = 0.0             # log latency change over the run, all arms alike
     drift_effect: float = 0.0          # change of the candidate effect from run start to run end
     nonexact_fraction: float = 0.0     # requests whose candidate tokens differ without acceptance change
@@ -131,6 +134,8 @@ def simulate(spec: SyntheticSpec, with_tokens: bool = False):
     cand_effect = spec.latency_effect + spec.request_effect_sd * rng.standard_normal(n_req)
     nonexact = rng.random(n_req) < spec.nonexact_fraction
 
+    arm_off = dict(zip(arms, spec.arm_offset_sd * np.random.default_rng([spec.seed, 7]).standard_normal(len(arms))))
+
     step_parts, req_rows = [], []
     clock = 0
     for r in range(n_req):
@@ -161,7 +166,7 @@ def simulate(spec: SyntheticSpec, with_tokens: bool = False):
                            "candidate": cand_effect[r] + spec.drift_effect * (frac - 0.5)}[arm]
                 base_ms = (spec.base_step_ms + spec.context_ms_per_64k * context[r] / 65_536) * (
                     1.0 + spec.width_cost * (width - 4))
-                log_mult = (arm_log + spec.drift_env * frac
+                log_mult = (arm_log + arm_off[arm] + spec.drift_env * frac
                             + spec.decode_noise_sd * rng.standard_normal()
                             + spec.step_noise_sd * rng.standard_normal(n))
                 dur_ms = base_ms * np.exp(log_mult)

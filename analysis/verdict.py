@@ -1,7 +1,8 @@
 """The verdict on a replay: what the statistics allow a user to conclude. Decides; computes nothing.
 
 Inputs are an ``analysis.stats.Analysis`` and the run's manifest. Let ``alpha`` = 0.05 and let
-every interval be the analysis' bootstrap CI (95%) of a mean per-request log-ratio.
+every interval be the analysis' bootstrap CI (95%) of a mean per-request log-ratio (for candidate
+effects: widened by the arm offset the A/A arm shows, see ``analysis.stats``).
 
 An effect is **significant** when its CI excludes 0 *and* its Wilcoxon signed-rank p < alpha (both
 the mean-based interval and the rank test must agree; either alone does not count).

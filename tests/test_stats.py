@@ -191,10 +191,14 @@ def test_drift_detected_and_environment_drift_cancels():
 
 
 def test_aa_adjusted_effect_removes_offset():
-    a = stats.analyze(simulated_run(seed=5, n_requests=80, latency_effect=0.03, aa_offset=0.03),
-                      n_boot=500)
+    run = simulated_run(seed=5, n_requests=80, latency_effect=0.03, aa_offset=0.03)
+    a = stats.analyze(run, n_boot=500)
     assert a.adjusted.ci[0] <= 0 <= a.adjusted.ci[1]
-    assert a.effects["tpot"].ci[0] > 0
+    # request-only interval: clearly above 0; the A/A arm's 3% offset widens the reported one so
+    # that an arm offset of that size is not mistaken for the candidate's effect
+    assert a.effects["tpot"].ci_requests[0] > 0 and a.effects["tpot"].arm_sd == pytest.approx(0.03, abs=0.006)
+    assert a.effects["tpot"].ci[0] < a.effects["tpot"].ci_requests[0]
+    assert stats.analyze(run, n_boot=500, widen=False).effects["tpot"].ci[0] > 0
     per = a.per_request
     np.testing.assert_allclose(per["adj_tpot"], per["tpot"] - per["aa_tpot"], atol=1e-15)
 
@@ -203,3 +207,46 @@ def test_reps_are_averaged_per_request():
     a = stats.analyze(simulated_run(seed=2, n_requests=20, reps=3, latency_effect=-0.02), n_boot=200)
     assert a.n_requests == 20 and (a.per_request["n_reps"] == 3).all()
     assert len(a.decodes) == 20 * 3 * 3
+
+
+def _arm_offset_coverage(arm_offset_sd: float, n: int = 300, truth: float = 0.05):
+    """Coverage of the request-only and the widened TPOT interval over n simulated runs in which
+    every arm carries its own random offset (the same for all its requests)."""
+    naive = widened = 0
+    for i in range(n):
+        run = simulated_run(seed=3000 + i, n_requests=30, output_min=48, output_max=128,
+                            latency_effect=truth, arm_offset_sd=arm_offset_sd)
+        req = stats.request_metrics(stats.decode_metrics(run.steps), run.requests)
+        c = stats.summarize(stats.paired_table(req, "candidate")["tpot"], "tpot", "candidate", "control",
+                            n_boot=500, seed=i)
+        a = stats.summarize(stats.paired_table(req, "aa")["tpot"], "tpot", "aa", "control", n_boot=500, seed=i)
+        w = stats.widen_for_arm_offset(c, stats.arm_offset_sd(a))
+        naive += c.ci[0] <= truth <= c.ci[1]
+        widened += w.ci[0] <= truth <= w.ci[1]
+    return naive / n, widened / n
+
+
+def test_arm_offsets_widened_interval_recovers_coverage():
+    """Arm offsets as large as the request noise (contrast sd ~ 1 se): the request-only interval
+    (negative control) under-covers; the interval widened by the A/A arm's offset gets close to
+    nominal. Without offsets the widening costs little."""
+    naive, widened = _arm_offset_coverage(0.004)
+    assert naive < 0.85, f"request-only interval covered {naive}: the offsets are too small to test"
+    assert widened >= 0.87 and widened - naive >= 0.05, (naive, widened)
+    naive0, widened0 = _arm_offset_coverage(0.0, n=150)
+    assert 0.9 <= naive0 <= widened0 <= 0.99, (naive0, widened0)
+
+
+def test_widening_arithmetic():
+    e = stats.summarize(np.array([0.01, 0.03, 0.02, 0.05, 0.04, 0.02]), "tpot", "candidate", "control", n_boot=200)
+    aa_small = stats.summarize(np.array([0.001, -0.002, 0.0015, -0.001, 0.0, 0.002]), "tpot", "aa", "control",
+                               n_boot=200)
+    assert stats.arm_offset_sd(aa_small) == 0.0 and stats.widen_for_arm_offset(e, 0.0) is e
+    aa = stats.summarize(np.array([0.050, 0.052, 0.049, 0.051, 0.050, 0.048]), "tpot", "aa", "control", n_boot=200)
+    tau = stats.arm_offset_sd(aa)
+    assert tau == pytest.approx(math.sqrt(aa.mean ** 2 - aa.sd ** 2 / aa.n))
+    w = stats.widen_for_arm_offset(e, tau)
+    h = 1.959963984540054 * tau
+    assert w.ci_requests == e.ci and w.arm_sd == tau and w.mean == e.mean
+    assert w.ci[0] == pytest.approx(e.mean - math.hypot(e.mean - e.ci[0], h))
+    assert w.ci[1] == pytest.approx(e.mean + math.hypot(e.ci[1] - e.mean, h))
