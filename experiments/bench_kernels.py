@@ -133,12 +133,18 @@ def _k(n):
 def bench_attention(copy_bw, l2, sweep):
     nh, nkv, d, window = ATTN["nh"], ATTN["nkv"], ATTN["d"], ATTN["window"]
     slots = window + 64
-    configs = [("default", {})]
+    # "v1" (split + combine kernels) and "fused" (one launch) run at every shape, whatever
+    # A.VARIANT ("default") is, so the two can be compared at short contexts (fixed cost) too.
+    every_shape = {"default", "v1", "fused"}
+    configs = [("default", {}), ("v1", dict(variant="v1")), ("fused", dict(variant="fused"))]
     if sweep:
         configs += [(f"bn{bn}_st{st}_w{nw}_spm{spm}",
                      dict(block_n=bn, num_stages=st, num_warps=nw, num_splits=spm * A_SMS[0]))
                     for bn, st, nw, spm in [(64, 4, 4, 1), (64, 3, 4, 2), (64, 3, 8, 1),
                                             (128, 2, 8, 1), (128, 3, 8, 1), (64, 2, 4, 2)]]
+        configs += [("fused_cd64", dict(variant="fused", combine_block_d=64)),
+                    ("fused_st4", dict(variant="fused", num_stages=4)),
+                    ("fused_spm2", dict(variant="fused", num_splits=2 * A_SMS[0]))]
     cases = [("full", ctx) for ctx in ATTN["contexts"]] + [("ring", None)]
     for mode, ctx in cases:
         for w in ATTN["widths"]:
@@ -168,12 +174,14 @@ def bench_attention(copy_bw, l2, sweep):
                 for q, k, v, s, _, _ in data[:2]]
             shape = (f"full{_k(ctx)}_w{w}" if mode == "full" else f"ring{_k(window)}_w{w}")
             for name, cfg in configs:
-                if name != "default" and not (w == 8 and (mode == "ring" or ctx >= ATTN["sweep_min_ctx"])):
+                if name not in every_shape and not (
+                        w == 8 and (mode == "ring" or ctx >= ATTN["sweep_min_ctx"])):
                     continue
                 calls = [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o: A._launch(
                     q, k, v, sp, s, o, ring=mode == "ring", window=window if mode == "ring" else 0,
                     num_splits=cfg.get("num_splits"), block_n=cfg.get("block_n"),
-                    num_stages=cfg.get("num_stages"), num_warps=cfg.get("num_warps")))
+                    num_stages=cfg.get("num_stages"), num_warps=cfg.get("num_warps"),
+                    variant=cfg.get("variant"), combine_block_d=cfg.get("combine_block_d")))
                     for q, k, v, s, sp, o in data]
                 record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
                        ref_calls=ref_calls if name == "default" else None,
@@ -224,16 +232,43 @@ def bench_moe(copy_bw, l2, sweep):
         nbytes = distinct * expert_bytes + 2 * w * H * 2 + w * 8 * 8
         ref_calls = [(lambda x=x, ids=ids, tw=tw, wt=wt: M.moe_reference(x, ids, tw, *wt))
                      for x, ids, tw, wt, _ in data[:2]]
-        variants = [("default", {})]
+        # "default" = M.MOE_VARIANT; v1 and v2 always, for A/B (variant="v1" / variant="v2").
+        variants = [("default", {}), ("v1", dict(variant="v1")), ("v2", dict(variant="v2"))]
+        # v2 with a persistent counter buffer (left zero by every call): no per-call memset node.
+        cnt = torch.zeros(M.counters_size(w, H, I, E), device=DEV, dtype=torch.int32)
+        variants += [("v2_cnt", dict(variant="v2", counters=cnt))]
         if sweep and distinct == MOE["realistic"]:
-            variants += [(f"gu{a}_down{b}", dict(gu_num_stages=a, down_num_stages=b))
-                         for a, b in [(3, 2), (6, 2), (8, 2), (4, 3), (6, 3)]]
+            variants += [(f"gu{a}_down{b}", dict(variant="v1", gu_num_stages=a, down_num_stages=b))
+                         for a, b in [(3, 2), (6, 2), (4, 3)]]
+            variants += [(f"v2_k{a}_e{b}", dict(variant="v2", gu_split_k=a, down_split_e=b))
+                         for a, b in [(3, 5), (4, 5), (8, 5), (12, 5), (6, 3), (6, 4), (6, 8), (6, 12)]]
+            variants += [(f"v2_gu{a}_down{b}", dict(variant="v2", gu_num_stages=a, down_num_stages=b))
+                         for a, b in [(2, 2), (4, 3), (4, 4)]]
+            variants += [("v2_reg128", dict(variant="v2", gu_maxnreg=128)),
+                         ("v2_reg128_k4", dict(variant="v2", gu_maxnreg=128, gu_split_k=4))]
         for name, kw in variants:
             calls = [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, kw=kw: M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
                      for x, ids, tw, wt, o in data]
             record("moe", f"H{H}_I{I}_E{E}_w{w}_{label}", name, calls, nbytes, copy_bw,
                    ref_calls=ref_calls if name == "default" else None, eager=name == "default",
                    distinct=distinct)
+        # Breakdown: each production launch alone (M.moe_plan: the launches fused_moe_fp8 runs, with
+        # its buffers allocated once per input set), same graph replay over the rotating sets. Bytes:
+        # the launch's own minimum traffic (weights of the distinct experts, x / partials / output).
+        P = w * 8
+        gu_bytes = distinct * (2 * I * H + (2 * I // 128) * (H // 128) * 4) + w * H * 2
+        dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
+        step_bytes = dict(gate_up=gu_bytes, down=dn_bytes + P * H * 4, reduce=P * H * 4 + w * H * 2,
+                          down_reduce=dn_bytes + w * H * 2)
+        for var in ("v1", "v2"):
+            plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var)[1] for x, ids, tw, wt, o in data]
+            for plan in plans:  # fill the intermediate buffers (activations, group table) once
+                for _, launch in plan:
+                    launch()
+            for k, (step, _) in enumerate(plans[0]):
+                record("moe", f"H{H}_I{I}_E{E}_w{w}_{label}", f"{var}:{step}", [p[k][1] for p in plans],
+                       step_bytes[step], copy_bw, eager=False, distinct=distinct, breakdown=True)
+            del plans
         del data, ref_calls
     del weights
     if not DRY_RUN:

@@ -50,6 +50,7 @@ HELP = """python experiments/harness_calibration.py [key=value ...]
   slowdowns=0.25,0.5,1.0   injected step-latency slowdowns, percent, one scenario each
   acceptance=1.05          per-draft acceptance multiplier of the acceptance scenario (1: none)
   request_effect_sd=0.005  per-request spread of the injected effect (log scale)
+  arm_offset_sd=0          every arm's own random offset per run (log scale; analysis.synthetic)
   n_boot=1000              bootstrap resamples per interval
   alpha=0.05               significance level
   seed=0                   base seed (dataset i of every scenario uses seed+i)
@@ -111,7 +112,7 @@ def _revision() -> dict:
 def main(argv: list[str] | None = None) -> int:
     defaults = {"mode": "simulate", "n_datasets": 200, "n_requests": 100, "reps": 1,
                 "slowdowns": "0.25,0.5,1.0", "acceptance": 1.05, "request_effect_sd": 0.005,
-                "n_boot": 1000, "alpha": 0.05, "seed": 0, "workers": 2,
+                "arm_offset_sd": 0.0, "n_boot": 1000, "alpha": 0.05, "seed": 0, "workers": 2,
                 "out": "experiments/results/harness_calibration"}
     opts, positional = parse_cli(sys.argv[1:] if argv is None else argv, defaults, HELP)
     if opts is None:
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mode={opts['mode']}: only mode=simulate is implemented; real replays come with "
               "replay.paired", file=sys.stderr)
         return 2
-    base = {"n_requests": opts["n_requests"], "reps": opts["reps"]}
+    base = {"n_requests": opts["n_requests"], "reps": opts["reps"], "arm_offset_sd": opts["arm_offset_sd"]}
     scenarios = {"null": dict(base)}
     for s in [float(x) for x in str(opts["slowdowns"]).split(",") if x.strip()]:
         scenarios[f"slow+{s:g}%"] = dict(base, latency_effect=math.log1p(s / 100),

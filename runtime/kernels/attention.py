@@ -32,6 +32,21 @@ and sums  num = sum_s 2^(m_s - M) acc_s,  den = sum_s 2^(m_s - M) l_s + 2^(sink 
 COMBINE_BLOCK_S splits at a time (a tree inside each group, a fixed sequential order across groups:
 deterministic, no atomics). out = num / den in BF16. The sink is a per-head logit with zero value:
 it only enters the denominator.
+
+Fused variant ``_attn_fused_kernel`` (``variant="fused"``): one launch instead of two. The grid is
+(num_splits + w * G * d / FUSED_BLOCK_D, nkv): the first num_splits programs are the splits above
+(the Q load is issued before the start_pos-dependent work); each active split publishes its partial
+with bar.sync + a release add on an arrival counter. The remaining programs are the combine: they
+are resident while the splits run (prologue, sink load already done), wait with acquire loads until
+the counter reaches the active split count, merge in a fixed order (online over chunks of splits,
+FP32, sink in the denominator: deterministic) and write out. The last combine program to finish
+(ticket on a second counter) re-zeroes both counters, so the int32 counter buffer (cached per
+device, or ``workspace=``) is zero for the next call / graph replay. A single "last arriver merges
+everything" program was rejected: at 132 splits it would pull 132 x 48 x 128 x 4 B = 3.2 MB of
+partials through one SM (~25 us at ~130 GB/s per SM); the combine must stay spread over many
+programs. Assumptions: calls sharing a counter buffer do not overlap (stream order); the combine
+programs never prevent the splits from being scheduled (they come later in the grid and, in the
+worst case, occupy fewer slots than the GPU has).
 """
 from __future__ import annotations
 
@@ -56,6 +71,19 @@ SPLITS_PER_SM = 1
 # splits per iteration (32 x 32 FP32 = 4 KiB of partials per load).
 COMBINE_BLOCK_D = 32
 COMBINE_BLOCK_S = 32
+# Kernel variant: "v1" = split kernel + combine kernel (two launches); "fused" = one launch whose
+# extra combine programs wait on a self-resetting arrival counter (``_attn_fused_kernel``).
+VARIANT = "v1"
+VARIANTS = ("v1", "fused")
+# Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
+# w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
+# trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
+# kernel reserves the split's shared memory (112 KiB at w = 8), so 2 fit per SM: at w = 8 and
+# BLOCK_D = 32, 132 splits + 192 combine programs exceed the 264 slots and 60 combine programs start
+# only when a slot frees; BLOCK_D = 64 (96 programs, all resident, two loads of 128 splits) is the
+# other side of that trade (bench variant "fused_cd64").
+FUSED_BLOCK_D = 32
+FUSED_TILE = 8192
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -183,8 +211,161 @@ def _attn_combine_kernel(
     tl.store(OUT + i * stride_ow + h * stride_oh + offs_d, (num / den).to(OUT.dtype.element_ty))
 
 
+@triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"])
+def _attn_fused_kernel(
+    Q, K, V, ACC, ML, SINKS, OUT, START, CNT,
+    stride_qw, stride_qh,
+    stride_kh, stride_kn,
+    stride_vh, stride_vn,
+    stride_ah, stride_as, stride_am,
+    stride_mh, stride_ms,
+    stride_ow, stride_oh,
+    qk_scale_log2, W, WINDOW, R, NUM_SPLITS, NKV,
+    G: tl.constexpr, IS_RING: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, DROP_LAST: tl.constexpr,
+):
+    """One launch: programs [0, NUM_SPLITS) are the splits of ``_attn_split_kernel``; programs
+    [NUM_SPLITS, NUM_SPLITS + W * G * HEAD_DIM / BLOCK_D) are combine programs (one packed row, one
+    BLOCK_D slice of d) that wait on the arrival counter ``CNT[kvh]`` and merge as soon as the last
+    active split has published its partial; the last combine program to finish re-zeroes
+    ``CNT[kvh]`` and ``CNT[NKV + kvh]``."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    start = tl.load(START).to(tl.int32)
+    lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
+    n_active = tl.cdiv(n_blocks, per_split)
+    arrive_ptr = CNT + kvh
+    done_ptr = CNT + NKV + kvh
+    if pid < NUM_SPLITS:
+        # The Q tile does not depend on start_pos: its load is in flight together with START's.
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_i = offs_m // G
+        head = kvh * G + offs_m % G
+        row_ok = offs_m < W * G
+        q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        b_begin = pid * per_split
+        b_end = tl.minimum(b_begin + per_split, n_blocks)
+        if b_begin < b_end:
+            q_pos = start + row_i
+            k_base = K + kvh.to(tl.int64) * stride_kh
+            v_base = V + kvh.to(tl.int64) * stride_vh
+            m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for b in range(b_begin, b_end):
+                pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+                key_ok = pos < seq_end
+                if IS_RING:
+                    slot = pos % R
+                else:
+                    slot = pos
+                k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                            mask=key_ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+                vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+                if IS_RING:
+                    vis = vis & (pos[None, :] > q_pos[:, None] - WINDOW)
+                s = tl.where(vis, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                            mask=key_ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            acc_ptr = ACC + kvh * stride_ah + pid * stride_as
+            tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc,
+                     mask=row_ok[:, None])
+            ml_ptr = ML + kvh * stride_mh + pid * stride_ms
+            tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
+            tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+            # Every thread's stores precede (bar.sync) the one release-add that publishes them.
+            tl.debug_barrier()
+            tl.atomic_add(arrive_ptr, 1, sem="release", scope="gpu")
+    else:
+        c = pid - NUM_SPLITS
+        n_dblk: tl.constexpr = HEAD_DIM // BLOCK_D
+        m_row = c // n_dblk
+        dblk = c % n_dblk
+        i = m_row // G
+        h = kvh * G + m_row % G
+        offs_dc = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+        if HAS_SINK:
+            m_run = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+            den = m_run * 0.0 + 1.0  # the sink's own term 2^(sink - m_run)
+        else:
+            m_run = start.to(tl.float32) * 0.0 + _NEG_BIG
+            den = m_run * 0.0
+        num = tl.zeros([BLOCK_D], tl.float32)
+        ml_ptr_c = ML + kvh * stride_mh + m_row
+        acc_ptr_c = ACC + kvh * stride_ah + m_row * stride_am
+        # Wait until every active split of this KV head has published (acquire pairs with the
+        # splits' release). Combine programs come after all splits in the grid, and a waiting
+        # program holds few resources, so the splits can always be scheduled (no deadlock).
+        arrived = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
+        while arrived < n_active:
+            arrived = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
+        n_used = n_active - DROP_LAST
+        for s0 in range(0, n_used, BLOCK_S):
+            sub_c = s0 + tl.arange(0, BLOCK_S)
+            ok_c = sub_c < n_used
+            m_sc = tl.load(ml_ptr_c + sub_c * stride_ms, mask=ok_c, other=_NEG_BIG,
+                           cache_modifier=".cg")
+            l_sc = tl.load(ml_ptr_c + sub_c * stride_ms + BLOCK_M, mask=ok_c, other=0.0,
+                           cache_modifier=".cg")
+            part_c = tl.load(acc_ptr_c + sub_c[:, None] * stride_as + offs_dc[None, :],
+                             mask=ok_c[:, None], other=0.0, cache_modifier=".cg")
+            m_new_c = tl.maximum(m_run, tl.max(m_sc, 0))
+            scale = tl.exp2(m_run - m_new_c)
+            wgt = tl.exp2(m_sc - m_new_c)
+            den = den * scale + tl.sum(wgt * l_sc, 0)
+            num = num * scale + tl.sum(wgt[:, None] * part_c, 0)
+            m_run = m_new_c
+        tl.store(OUT + i * stride_ow + h * stride_oh + offs_dc, (num / den).to(OUT.dtype.element_ty))
+        # Last combine program of this KV head: no program is still waiting, re-arm the counters
+        # for the next call (or the next CUDA-graph replay).
+        done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == W * G * n_dblk - 1:
+            tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+
+
+def _fused_counters(device, nkv, workspace):
+    """Arrival/done counters of the fused variant: ``workspace`` (int32, >= 2 * nkv elements,
+    zero-initialised by the caller) or one buffer cached per device on this function.
+
+    Every fused call leaves its counters at zero (the last combine program resets them), so one
+    buffer serves any number of calls, including many inside one CUDA graph, PROVIDED the calls
+    do not run concurrently: calls on one stream (or graph replays that are stream-ordered) are
+    fine; concurrent calls on two streams, or PDL overlap with a previous call, need distinct
+    ``workspace`` buffers. The cached buffer is created (torch.zeros) on the first call, which
+    must not be inside a CUDA-graph capture (call once eagerly first, as the warm-up/compile call
+    does, or pass ``workspace``)."""
+    if workspace is not None:
+        check(workspace.dtype == torch.int32 and workspace.device == device
+              and workspace.numel() >= 2 * nkv and workspace.is_contiguous(),
+              "workspace: contiguous int32 on the device of q, >= 2 * nkv elements, zeroed")
+        return workspace
+    cache = _fused_counters.__dict__.setdefault("cache", {})
+    key = (device.type, device.index if device.index is not None else
+           (torch.cuda.current_device() if device.type == "cuda" else -1))
+    buf = cache.get(key)
+    if buf is None or buf.numel() < 2 * nkv:
+        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
+              "fused attention: first call inside a CUDA-graph capture; call it once eagerly first "
+              "or pass workspace=torch.zeros(2 * nkv, dtype=torch.int32)")
+        buf = torch.zeros(max(2 * nkv, 16), dtype=torch.int32, device=device)
+        cache[key] = buf
+    return buf
+
+
 def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_splits, validate=True,
-            block_n=None, num_stages=None, num_warps=None):
+            block_n=None, num_stages=None, num_warps=None, variant=None, workspace=None,
+            combine_block_d=None, _drop_last=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -216,9 +397,33 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     num_splits = int(num_splits)
     check(num_splits >= 1, "num_splits >= 1")
     block_n = BLOCK_N if block_n is None else block_n
+    variant = VARIANT if variant is None else variant
+    check(variant in VARIANTS, f"variant {variant!r}: one of {VARIANTS}")
     acc = torch.empty((nkv, num_splits, block_m, d), device=q.device, dtype=torch.float32)
     ml = torch.empty((nkv, num_splits, 2, block_m), device=q.device, dtype=torch.float32)
     qk_scale_log2 = _LOG2E / math.sqrt(d)
+    if variant == "fused":
+        cnt = _fused_counters(q.device, nkv, workspace)
+        block_d = min(FUSED_BLOCK_D if combine_block_d is None else combine_block_d, d)
+        n_comb = w * G * (d // block_d)
+        _attn_fused_kernel[(num_splits + n_comb, nkv)](
+            q, k, v, acc, ml, sinks if has_sink else acc, out, start_pos, cnt,
+            q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1),
+            acc.stride(0), acc.stride(1), acc.stride(2),
+            ml.stride(0), ml.stride(1),
+            out.stride(0), out.stride(1),
+            qk_scale_log2, w, int(window), int(slots), num_splits, nkv,
+            G=G, IS_RING=ring, HAS_SINK=has_sink, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
+            BLOCK_S=min(max(16, FUSED_TILE // block_d), max(16, next_pow2(num_splits))),
+            BLOCK_D=block_d,
+            DROP_LAST=1 if _drop_last else 0,
+            num_warps=NUM_WARPS if num_warps is None else num_warps,
+            num_stages=NUM_STAGES if num_stages is None else num_stages,
+        )
+        return out
+    check(not _drop_last, "_drop_last: fused variant only")
     _attn_split_kernel[(num_splits, nkv)](
         q, k, v, acc, ml, start_pos,
         q.stride(0), q.stride(1),
@@ -246,25 +451,29 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     return out
 
 
-def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None):
+def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
+                          variant=None, workspace=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
     written at start_pos .. start_pos + w - 1; start_pos a 0-dim or [1] integer device tensor; sinks
     [nh] FP32 (or None for no sink). Row i (position start_pos + i) sees keys j <= start_pos + i.
     Returns out [w, nh, d] (written into ``out`` when given). No host synchronisation.
+    ``variant``: "v1" (split + combine kernels) or "fused" (one launch); None: module ``VARIANT``.
+    ``workspace``: fused only, see ``_fused_counters``.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
-                   num_splits=num_splits)
+                   num_splits=num_splits, variant=variant, workspace=workspace)
 
 
-def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None):
+def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
+                          variant=None, workspace=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host).
     """
     return _launch(q, k_ring, v_ring, start_pos, sinks, out, ring=True, window=int(window),
-                   num_splits=num_splits)
+                   num_splits=num_splits, variant=variant, workspace=workspace)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -27,8 +27,28 @@ case, min(P, E) groups).
    8 experts of a row are processed in parallel by different programs.
 3. ``_moe_reduce_kernel``, grid (w, ceil(H / RED_BLOCK_H)): out[r] = sum_k topk_weights[r, k] *
    y[r * 8 + k] in FP32, in the fixed order k = 0..7 (deterministic, no atomics), written in BF16.
+
+v2 (``fused_moe_fp8(..., variant="v2")``; two launches, same grouping, same activation quantisation)
+---------------------------------------------------------------------------------------------------
+1. ``_moe_gate_up_v2_kernel``, grid (min(P, E), ceil(I / 32), GU2_SPLIT_K): split along H; each
+   program accumulates a 64-row A tile (32 Gate + the same 32 Up rows: one warpgroup MMA) against x^T
+   over its H blocks and writes FP32 partials; an atomic counter per (group, 32 columns) picks the
+   last program to arrive, which sums the partials in split order (deterministic), then SiLU * mul and
+   E4M3 exactly as v1, and resets the counter. Program (g, 0, 0) also writes the group table
+   [n_groups, expert of each group] for the Down kernel.
+2. ``_moe_down_v2_kernel``, grid (ceil(H / 64), DOWN2_SPLIT_E): program (n, j) owns 64 output
+   columns of every row and the groups j, j + SPLIT_E, ...; per group the B operand holds each row's
+   activation for that expert (zeros for rows that did not choose it), so each expert's tile is read
+   once and the routing weight multiplies the row's column of the product. The SPLIT_E partials are
+   summed by the last program to arrive in split order and written once in BF16 (no per-pair buffer,
+   no reduce launch).
+Both use FP16 tensor-core operands (E4M3 -> FP16 exact; x converted to FP16, |x| <= 65504; the
+activations divided by their pair's largest block scale, so |a| <= 448) where v1 uses BF16: on sm_90
+E4M3 -> BF16 costs an extra per-value F2F conversion, about one per weight byte.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -54,7 +74,38 @@ DOWN_NUM_STAGES = 2
 DOWN_NUM_WARPS = 4
 RED_BLOCK_H = 1024
 
+# v2 (``variant="v2"``): two launches. Gate/Up split along H (GU2_SPLIT_K programs per (group, 32
+# columns): 1,824 programs of 8 H blocks for 38 experts instead of 304 of 48; 3 resident per SM at
+# 156 registers, 396 slots: 4.6 waves of 8 steps), the last arriving program of each (group,
+# columns) finalises SiLU * mul + E4M3 as v1. Down with the reduction fused: (64 output columns,
+# expert split) programs, 96 x 5 = 480 (4 resident per SM at 112 registers: one wave), each ~8
+# experts x 2 steps of 8 KiB.
+MOE_VARIANT = "v1"
+GU2_BLOCK_N = GU_BLOCK_N          # also the activation-scale block: same quantisation as v1
+GU2_BLOCK_K = 128
+GU2_SPLIT_K = 6
+GU2_NUM_STAGES = 3
+GU2_NUM_WARPS = 4
+# Register cap (keyword gu_maxnreg): 128 would give 4 resident programs per SM instead of 3 (the
+# 64 x 64 grouping prologue sets the 156-register peak, not the loop), at the cost of a 40-byte
+# stack spill in sm_90 compiles: off by default (the no-spill rule of test_compile_sm90), in the sweep.
+GU2_MAXNREG = None
+DOWN2_BLOCK_N = 64
+DOWN2_BLOCK_K = 128
+DOWN2_SPLIT_E = 5
+DOWN2_NUM_STAGES = 3
+DOWN2_NUM_WARPS = 4
+# FP16 tensor-core operands in v2 (E4M3 -> FP16 exact, one packed conversion per two values;
+# E4M3 -> BF16 costs one more slow conversion per value, ~1 per weight byte: measured F2F in the
+# v1 loops). Gate/Up converts x to FP16 (x must lie within +-65504: post-norm hidden states do).
+GU2_F16 = True
+DOWN2_F16 = True
+
 _FP8_MAX = tl.constexpr(448.0)
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -196,6 +247,174 @@ def _moe_reduce_kernel(Y, TW, OUT, stride_ym, stride_tw, stride_om, H: tl.conste
     tl.store(OUT + r * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
+# ----------------------------------------------------------------------------------------- v2
+@triton.jit(do_not_specialize=["P"])
+def _moe_gate_up_v2_kernel(
+    X, IDS, W13, S13, GPART, CNT, GROUPS, ACT, ACT_SCALE,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ps, stride_pp,
+    stride_am, stride_asm, P,
+    H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
+    SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_BUG: tl.constexpr, F16: tl.constexpr,
+):
+    """Split-K Gate/Up: program (g, n, s) reduces H blocks [s * KB_PER_SPLIT, ...) of the group's
+    Gate and Up columns [n * BLOCK_N, ...) into FP32 partials; the last of the SPLIT_K programs of
+    (g, n) to arrive (atomic counter) sums the partials in the fixed order s = 0..SPLIT_K-1, applies
+    SiLU * mul and writes the E4M3 activations exactly like v1. Weights are the A operand (rows = the
+    tile's Gate then Up columns, K-contiguous as stored), x^T the B operand: acc is
+    [2 * BLOCK_N, BLOCK_M]."""
+    g = tl.program_id(0)
+    nb = tl.program_id(1)
+    sk = tl.program_id(2)
+    n_nb = tl.num_programs(1)
+    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
+    if (nb == 0) & (sk == 0):   # group table for the Down kernel: [n_groups, expert of group 0, ...]
+        if g == 0:
+            tl.store(GROUPS, n_groups)
+        if g < n_groups:
+            tl.store(GROUPS + 1 + g, expert)
+    if g < n_groups:
+        tok = pair // TOPK
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptr = X + tok[None, :] * stride_xm
+        # One A tile of 2 * BLOCK_N weight rows: the Gate columns, then the same Up columns (M = 64:
+        # one warpgroup MMA per 16 of K, each weight converted once, no duplication across warps).
+        offs_i = tl.arange(0, 2 * BLOCK_N)
+        col = nb * BLOCK_N + offs_i % BLOCK_N
+        c_ok = col < I
+        wrow = col + tl.where(offs_i >= BLOCK_N, I, 0)
+        w_ptr = W13 + expert.to(tl.int64) * stride_we + wrow[:, None] * stride_wn
+        s_ptr = S13 + expert * stride_se + (wrow // 128) * stride_sn
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_M], tl.float32)
+        kb0 = sk * KB_PER_SPLIT
+        kb1 = tl.minimum(kb0 + KB_PER_SPLIT, N_KB)
+        for kb in range(kb0, kb1):
+            kk = kb * BLOCK_K + offs_k
+            k_ok = kk < H
+            xt = tl.load(x_ptr + kk[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            wt = tl.load(w_ptr + kk[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+            kbs = kb
+            if SCALE_BUG:
+                kbs = (kb + 1) % N_KB
+            sw = tl.load(s_ptr + kbs * stride_sk, mask=c_ok, other=0.0)
+            if F16:
+                # E4M3 -> FP16 is one packed conversion per 2 values (exact); E4M3 -> BF16 is that
+                # plus one FP16 -> BF16 conversion per value (the slow F2F pipe: ~1 per weight byte).
+                acc += tl.dot(wt.to(tl.float16), xt.to(tl.float16)) * sw[:, None]
+            else:
+                acc += tl.dot(wt.to(tl.bfloat16), xt) * sw[:, None]
+        part = GPART + pair[None, :] * stride_pp
+        tl.store(part + sk * stride_ps + wrow[:, None], acc, mask=c_ok[:, None] & row_ok[None, :])
+        ok = n_ok[:, None] & row_ok[None, :]
+        part = part + offs_n[:, None]
+        # Every thread's partial stores precede the release of the counter (classic split-K
+        # semaphore: CTA barrier, then one acq_rel atomic at GPU scope).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(CNT + g * n_nb + nb, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            hg = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            hu = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                hg += tl.load(part + s * stride_ps, mask=ok, other=0.0, cache_modifier=".cg")
+                hu += tl.load(part + s * stride_ps + I, mask=ok, other=0.0, cache_modifier=".cg")
+            h = hg * tl.sigmoid(hg) * hu
+            h = tl.where(ok, h, 0.0)
+            amax = tl.max(tl.abs(h), 0)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
+            a = tl.math.div_rn(h, tl.broadcast_to(scale[None, :], [BLOCK_N, BLOCK_M]))
+            a = tl.minimum(tl.maximum(a, -_FP8_MAX), _FP8_MAX)
+            tl.store(ACT + pair[None, :] * stride_am + offs_n[:, None], _e4m3_bits(a), mask=ok)
+            tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
+            tl.store(CNT + g * n_nb + nb, 0)     # self-resetting: zero again for the next call
+
+
+@triton.jit(do_not_specialize=["W"])
+def _moe_down_v2_kernel(
+    ACT, ACT_SCALE, IDS, TW, GROUPS, W2, S2, DPART, CNT, OUT,
+    stride_am, stride_asm, stride_ids, stride_tw, stride_we, stride_wn, stride_se, stride_sn,
+    stride_sk, stride_ps, stride_pm, stride_om, W,
+    H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_BLOCK: tl.constexpr,
+    SPLIT_E: tl.constexpr, SCALE_BUG: tl.constexpr, DROP_SPLIT: tl.constexpr, F16: tl.constexpr,
+    N_ABLK: tl.constexpr, NB_POW2: tl.constexpr,
+):
+    """Down with the routing-weighted reduction fused: program (n, j) owns output columns
+    [n * BLOCK_N, ...) of every row and the expert groups j, j + SPLIT_E, j + 2 SPLIT_E, ... (each
+    expert's tile read once for all the rows that chose it: the B operand holds, per row, that row's
+    activation for the expert, or zeros). acc[col, row] += (W2_e @ a_e^T) * s2 * tw[row, e]. The
+    SPLIT_E FP32 partials of a column block are summed by the last program to arrive, in the fixed
+    order j = 0..SPLIT_E-1 (deterministic), and written once in BF16."""
+    nb = tl.program_id(0)
+    j = tl.program_id(1)
+    n_groups = tl.load(GROUPS)
+    offs_r = tl.arange(0, BLOCK_M)
+    r_ok = offs_r < W
+    offs_t = tl.arange(0, TOPK)
+    ids_t = tl.load(IDS + offs_r[:, None] * stride_ids + offs_t[None, :], mask=r_ok[:, None], other=-1)
+    tw_t = tl.load(TW + offs_r[:, None] * stride_tw + offs_t[None, :], mask=r_ok[:, None],
+                   other=0.0).to(tl.float32)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, NB_POW2)
+    KB: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
+    n_mine = tl.maximum((n_groups - j + SPLIT_E - 1) // SPLIT_E, 0)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for gi in range(0, n_mine):
+        # One expert per iteration; its KB blocks of I are unrolled so that all its weight loads
+        # (KB x BLOCK_N x BLOCK_K bytes) are in flight together (the expert id comes from memory,
+        # so the software pipeliner keeps a single buffer for this loop).
+        e = tl.load(GROUPS + 1 + j + gi * SPLIT_E)
+        match = ids_t == e                                            # [BLOCK_M, TOPK]
+        has = tl.sum(match.to(tl.int32), 1) > 0
+        kidx = tl.sum(tl.where(match, offs_t[None, :], 0), 1)
+        twr = tl.sum(tl.where(match, tw_t, 0.0), 1)
+        pair = offs_r * TOPK + kidx
+        if F16:
+            sa_all = tl.load(ACT_SCALE + pair[None, :] * stride_asm + offs_b[:, None],
+                             mask=(offs_b < N_ABLK)[:, None] & has[None, :], other=0.0)
+            smax = tl.maximum(tl.max(sa_all, 0), 1e-30)
+            inv_smax = 1.0 / smax
+        w_e = W2 + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+        s_e = S2 + e * stride_se + (offs_n // 128) * stride_sn
+        for kb in tl.static_range(KB):
+            kk = kb * BLOCK_K + offs_k
+            k_ok = kk < I
+            a_ok = k_ok[:, None] & has[None, :]
+            a8 = tl.load(ACT + pair[None, :] * stride_am + kk[:, None], mask=a_ok, other=0.0)
+            sa = tl.load(ACT_SCALE + pair[None, :] * stride_asm + (kk // ACT_BLOCK)[:, None],
+                         mask=a_ok, other=0.0)
+            w = tl.load(w_e + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            kbs = kb
+            if SCALE_BUG:
+                kbs = (kb + 1) % N_KB
+            sw = tl.load(s_e + kbs * stride_sk, mask=n_ok, other=0.0)
+            if F16:
+                # FP16 operands (E4M3 -> FP16 is exact and avoids the per-value FP16 -> BF16 step).
+                # The activations are divided by their pair's largest block scale (|a| <= 448: no
+                # FP16 overflow whatever the activation range), which multiplies the product back.
+                a = (a8.to(tl.float32) * (sa * inv_smax[None, :])).to(tl.float16)
+                acc += tl.dot(w.to(tl.float16), a) * (sw[:, None] * (twr * smax)[None, :])
+            else:
+                a = (a8.to(tl.float32) * sa).to(tl.bfloat16)          # [BLOCK_K, BLOCK_M]
+                acc += tl.dot(w.to(tl.bfloat16), a) * (sw[:, None] * twr[None, :])
+    ok = n_ok[:, None] & r_ok[None, :]
+    part = DPART + offs_r[None, :] * stride_pm + offs_n[:, None]
+    tl.store(part + j * stride_ps, acc, mask=ok)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(CNT + nb, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_E - 1:
+        tot = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for s in tl.static_range(SPLIT_E - DROP_SPLIT):
+            tot += tl.load(part + s * stride_ps, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(OUT + offs_r[None, :] * stride_om + offs_n[:, None], tot.to(OUT.dtype.element_ty),
+                 mask=ok)
+        tl.store(CNT + nb, 0)
+
+
 def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     check(x.dim() == 2 and x.dtype == torch.bfloat16, "x [w, H] bf16")
     w, H = x.shape
@@ -212,52 +431,163 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     return w, H, E, I, topk_ids.shape[1]
 
 
-def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _scale_bug=False,
-                  gu_num_stages=None, down_num_stages=None):
-    """out[r] = sum_k topk_weights[r, k] * Down_e(SiLU(Gate_e x_r) * Up_e x_r), e = topk_ids[r, k].
+def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False):
+    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch)."""
+    grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, GU_BLOCK_N))
+    H = x.shape[1]
+    _moe_gate_up_kernel[grid](
+        x, ids, w13, s13, act.view(torch.uint8), act_scale,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
+        act.stride(0), act_scale.stride(0), P,
+        H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=GU_BLOCK_N, BLOCK_K=GU_BLOCK_K,
+        SCALE_BUG=scale_bug, num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
+    )
 
-    x [w, H] bf16; topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
-    E4M3 (rows 0..I-1 Gate, I..2I-1 Up) with s13 [E, ceil(2I/128), ceil(H/128)] fp32; w2 [E, H, I]
-    E4M3 with s2 [E, ceil(H/128), ceil(I/128)]. Returns out [w, H] bf16. No host synchronisation.
-    ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale).
-    """
+
+def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bug=False):
+    """v1 Down: per-pair FP32 results y [P, H] (one launch)."""
+    E, H, I = w2.shape
+    _moe_down_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N))](
+        act, act_scale, ids, w2, s2, y,
+        act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        s2.stride(2), y.stride(0), P,
+        H=H, I=I, N_KB=s2.shape[2],
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K,
+        ACT_BLOCK=GU_BLOCK_N, SCALE_BUG=scale_bug,
+        num_warps=DOWN_NUM_WARPS, num_stages=num_stages or DOWN_NUM_STAGES,
+    )
+
+
+def _launch_reduce(y, tw, out):
+    """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch)."""
+    w, H = out.shape
+    _moe_reduce_kernel[(w, triton.cdiv(H, RED_BLOCK_H))](
+        y, tw, out, y.stride(0), tw.stride(0), out.stride(0),
+        H=H, TOPK=tw.shape[1], BLOCK_H=RED_BLOCK_H, num_warps=4,
+    )
+
+
+def _launch_gate_up_v2(x, ids, w13, s13, gpart, cnt, groups, act, act_scale, P, *, split_k,
+                       num_stages=None, scale_bug=False, maxnreg=None):
+    """v2 Gate/Up, split along H; writes the activations and the group table (one launch)."""
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    n_kb = s13.shape[2]
+    grid = (min(P, E), triton.cdiv(I, GU2_BLOCK_N), split_k)
+    _moe_gate_up_v2_kernel[grid](
+        x, ids, w13, s13, gpart, cnt, groups, act.view(torch.uint8), act_scale,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
+        gpart.stride(0), gpart.stride(1), act.stride(0), act_scale.stride(0), P,
+        H=H, I=I, TOPK=ids.shape[1], N_KB=n_kb, SPLIT_K=split_k, KB_PER_SPLIT=triton.cdiv(n_kb, split_k),
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=GU2_BLOCK_N, BLOCK_K=GU2_BLOCK_K,
+        SCALE_BUG=scale_bug, F16=GU2_F16, num_warps=GU2_NUM_WARPS, num_stages=num_stages or GU2_NUM_STAGES,
+        **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
+    )
+
+
+def _launch_down_v2(act, act_scale, ids, tw, groups, w2, s2, dpart, cnt, out, *, split_e,
+                    num_stages=None, scale_bug=False, drop_split=False):
+    """v2 Down with the routing-weighted reduction fused; writes out [w, H] (one launch)."""
+    E, H, I = w2.shape
+    w = out.shape[0]
+    _moe_down_v2_kernel[(triton.cdiv(H, DOWN2_BLOCK_N), split_e)](
+        act, act_scale, ids, tw, groups, w2, s2, dpart, cnt, out,
+        act.stride(0), act_scale.stride(0), ids.stride(0), tw.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), s2.stride(2), dpart.stride(0), dpart.stride(1), out.stride(0), w,
+        H=H, I=I, TOPK=ids.shape[1], N_KB=s2.shape[2],
+        BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN2_BLOCK_N, BLOCK_K=DOWN2_BLOCK_K, ACT_BLOCK=GU2_BLOCK_N,
+        SPLIT_E=split_e, SCALE_BUG=scale_bug, DROP_SPLIT=int(drop_split), F16=DOWN2_F16,
+        N_ABLK=act_scale.shape[1], NB_POW2=next_pow2(act_scale.shape[1]),
+        num_warps=DOWN2_NUM_WARPS, num_stages=num_stages or DOWN2_NUM_STAGES,
+    )
+
+
+def counters_size(w, H, I, E, topk=8):
+    """int32 entries of the v2 counter buffer (``counters=``) for these shapes."""
+    return min(w * topk, E) * triton.cdiv(I, GU2_BLOCK_N) + triton.cdiv(H, DOWN2_BLOCK_N)
+
+
+def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=None,
+             gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
+             counters=None, gu_maxnreg=None, _scale_bug=False, _drop_split=False):
+    """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
+    launches in order. The benchmark times each launch alone (buffers are allocated here, outside
+    the launches; v2's counters are zeroed here and left zero by every complete call)."""
     w, H, E, I, topk = _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2)
+    variant = variant or MOE_VARIANT
+    check(variant in ("v1", "v2"), f"variant {variant!r}: 'v1' or 'v2'")
     P = w * topk
     check(P <= 64 and w <= GU_BLOCK_M, "at most 64 (row, expert) pairs and 16 rows")
     ids = topk_ids.to(torch.int32).contiguous()
     tw = topk_weights.contiguous()
     dev = x.device
-    n_groups_max = min(P, E)
     n_ablk = triton.cdiv(I, GU_BLOCK_N)
     act = torch.empty((P, I), device=dev, dtype=torch.float8_e4m3fn)
     act_scale = torch.empty((P, n_ablk), device=dev, dtype=torch.float32)
-    y = torch.empty((P, H), device=dev, dtype=torch.float32)
     if out is None:
         out = torch.empty((w, H), device=dev, dtype=torch.bfloat16)
     check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
-    block_p = max(16, next_pow2(P))
-    _moe_gate_up_kernel[(n_groups_max, n_ablk)](
-        x, ids, w13, s13, act.view(torch.uint8), act_scale,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-        act.stride(0), act_scale.stride(0), P,
-        H=H, I=I, TOPK=topk, N_KB=s13.shape[2],
-        BLOCK_P=block_p, BLOCK_M=GU_BLOCK_M, BLOCK_N=GU_BLOCK_N, BLOCK_K=GU_BLOCK_K,
-        SCALE_BUG=_scale_bug,
-        num_warps=GU_NUM_WARPS, num_stages=gu_num_stages or GU_NUM_STAGES,
-    )
-    _moe_down_kernel[(n_groups_max, triton.cdiv(H, DOWN_BLOCK_N))](
-        act, act_scale, ids, w2, s2, y,
-        act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        s2.stride(2), y.stride(0), P,
-        H=H, I=I, N_KB=s2.shape[2],
-        BLOCK_P=block_p, BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K,
-        ACT_BLOCK=GU_BLOCK_N, SCALE_BUG=_scale_bug,
-        num_warps=DOWN_NUM_WARPS, num_stages=down_num_stages or DOWN_NUM_STAGES,
-    )
-    _moe_reduce_kernel[(w, triton.cdiv(H, RED_BLOCK_H))](
-        y, tw, out, y.stride(0), tw.stride(0), out.stride(0),
-        H=H, TOPK=topk, BLOCK_H=RED_BLOCK_H, num_warps=4,
-    )
+    if variant == "v1":
+        check(not _drop_split, "_drop_split is a v2 control")
+        y = torch.empty((P, H), device=dev, dtype=torch.float32)
+        steps = [
+            ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
+                                                num_stages=gu_num_stages, scale_bug=_scale_bug)),
+            ("down", lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
+                                          num_stages=down_num_stages, scale_bug=_scale_bug)),
+            ("reduce", lambda: _launch_reduce(y, tw, out)),
+        ]
+        return out, steps
+    check(topk == 8, "v2 needs top-8 (power-of-two row tile)")
+    split_k = max(1, min(gu_split_k or GU2_SPLIT_K, s13.shape[2]))
+    split_e = max(1, down_split_e or DOWN2_SPLIT_E)
+    n_cnt = counters_size(w, H, I, E, topk)
+    if counters is None:
+        counters = torch.zeros(n_cnt, device=dev, dtype=torch.int32)
+    check(counters.dtype == torch.int32 and counters.numel() >= n_cnt and counters.is_contiguous(),
+          f"counters: >= {n_cnt} contiguous int32 zeros")
+    n_gu = n_cnt - triton.cdiv(H, DOWN2_BLOCK_N)
+    gpart = torch.empty((split_k, P, 2 * I), device=dev, dtype=torch.float32)
+    dpart = torch.empty((split_e, w, H), device=dev, dtype=torch.float32)
+    groups = torch.empty(1 + min(P, E), device=dev, dtype=torch.int32)
+    steps = [
+        ("gate_up", lambda: _launch_gate_up_v2(x, ids, w13, s13, gpart, counters[:n_gu], groups, act,
+                                               act_scale, P, split_k=split_k, num_stages=gu_num_stages,
+                                               scale_bug=_scale_bug,
+                                               maxnreg=gu_maxnreg or GU2_MAXNREG)),
+        ("down_reduce", lambda: _launch_down_v2(act, act_scale, ids, tw, groups, w2, s2, dpart,
+                                                counters[n_gu:], out, split_e=split_e,
+                                                num_stages=down_num_stages, scale_bug=_scale_bug,
+                                                drop_split=_drop_split)),
+    ]
+    return out, steps
+
+
+def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _scale_bug=False,
+                  gu_num_stages=None, down_num_stages=None, variant=None, gu_split_k=None,
+                  down_split_e=None, counters=None, gu_maxnreg=None, _drop_split=False):
+    """out[r] = sum_k topk_weights[r, k] * Down_e(SiLU(Gate_e x_r) * Up_e x_r), e = topk_ids[r, k].
+
+    x [w, H] bf16; topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
+    E4M3 (rows 0..I-1 Gate, I..2I-1 Up) with s13 [E, ceil(2I/128), ceil(H/128)] fp32; w2 [E, H, I]
+    E4M3 with s2 [E, ceil(H/128), ceil(I/128)]. Returns out [w, H] bf16. No host synchronisation.
+
+    ``variant``: "v1" (three launches) or "v2" (split-K Gate/Up + Down with the reduce fused: two
+    launches); default ``MOE_VARIANT``. v2 options: ``gu_split_k`` (default GU2_SPLIT_K),
+    ``down_split_e`` (DOWN2_SPLIT_E), ``counters`` (a persistent int32 zero buffer of
+    ``counters_size(...)`` entries, left zero by each call; otherwise one is zeroed per call),
+    ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
+    ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
+    ``_drop_split`` (v2) leaves out the last expert split of the Down reduction.
+    """
+    out, steps = moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out, variant=variant,
+                          gu_num_stages=gu_num_stages, down_num_stages=down_num_stages,
+                          gu_split_k=gu_split_k, down_split_e=down_split_e, counters=counters,
+                          gu_maxnreg=gu_maxnreg,
+                          _scale_bug=_scale_bug, _drop_split=_drop_split)
+    for _, launch in steps:
+        launch()
     return out
 
 

@@ -62,8 +62,10 @@ def _launch_everything(A, M, Nm, S):
             q = torch.randn(w, 6, d).to(bf)
             k = torch.randn(1, window + 64, d).to(bf)
             sp = torch.tensor(5, dtype=torch.int32)
-            A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132)
-            A.decode_attention_ring(q, k, k, sp, torch.zeros(6), window, num_splits=132)
+            for variant in A.VARIANTS:
+                A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132, variant=variant)
+                A.decode_attention_ring(q, k, k, sp, torch.zeros(6), window, num_splits=132,
+                                        variant=variant)
         w13 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn)
         s13 = torch.ones(E, 2 * I // 128, H // 128)
         w2 = torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
@@ -72,6 +74,8 @@ def _launch_everything(A, M, Nm, S):
             x = torch.randn(w, H).to(bf)
             ids = torch.zeros(w, 8, dtype=torch.int32)
             M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug)
+            M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, variant="v2",
+                            _drop_split=bug)
         for rdt in (bf, torch.float32):
             x = torch.randn(8, H).to(bf)
             Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6)

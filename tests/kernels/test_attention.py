@@ -75,24 +75,25 @@ def _start(start, dev, as_int64=False):
                         device=dev)
 
 
-def run_full(A, shape, w, start, seed, num_splits=None, sinks_override=None):
+def run_full(A, shape, w, start, seed, num_splits=None, sinks_override=None, **kw):
+    """kw: variant=, workspace=, _drop_last= (passed to the launcher)."""
     q, k, v, sinks = make_full(w, shape["nh"], shape["nkv"], shape["d"], start, seed)
     out = torch.full_like(q, float("nan"))
     use = sinks if sinks_override is None else sinks_override
-    A.decode_attention_full(q, k, v, _start(start, q.device, seed % 2 == 0), use, out,
-                            num_splits=num_splits)
+    A._launch(q, k, v, _start(start, q.device, seed % 2 == 0), use, out, ring=False, window=0,
+              num_splits=num_splits, **kw)
     ref = A.attention_reference(q, k, v, start, sinks)
     return max_row_rel_err(out, ref)
 
 
-def run_ring(A, shape, w, start, seed, slots=None, num_splits=None):
+def run_ring(A, shape, w, start, seed, slots=None, num_splits=None, **kw):
     window = shape["window"]
     slots = window + 64 if slots is None else slots
     q, hk, hv, kr, vr, sinks = make_ring(w, shape["nh"], shape["nkv"], shape["d"], start, window,
                                          slots, seed)
     out = torch.full_like(q, float("nan"))
     A._launch(q, kr, vr, _start(start, q.device, seed % 2 == 1), sinks, out, ring=True,
-              window=window, num_splits=num_splits, validate=slots >= window + w - 1)
+              window=window, num_splits=num_splits, validate=slots >= window + w - 1, **kw)
     ref = A.attention_reference(q, hk, hv, start, sinks, window=window)
     return max_row_rel_err(out, ref)
 
@@ -108,59 +109,87 @@ def _split_edges(A):
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("ctx", [0, 1, 63, 64, 65, 4096, 65536, 196608])
-def test_full_q1(w, ctx):
+@pytest.mark.parametrize("variant", ["v1", "fused"])
+def test_full_q1(w, ctx, variant):
     A = load_kernels("attention")
     start = max(0, ctx - w)
-    assert run_full(A, Q1, w, start, seed=ctx * 10 + w) < TOL
+    assert run_full(A, Q1, w, start, seed=ctx * 10 + w, variant=variant) < TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 8])
 @pytest.mark.parametrize("edge", range(4))
-def test_full_split_boundaries(w, edge):
+@pytest.mark.parametrize("variant", ["v1", "fused"])
+def test_full_split_boundaries(w, edge, variant):
     A = load_kernels("attention")
     L = _split_edges(A)[edge]
-    assert run_full(A, Q1, w, L - w, seed=L + w) < TOL
+    assert run_full(A, Q1, w, L - w, seed=L + w, variant=variant) < TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 7, 500])
-def test_full_other_split_counts(num_splits):
+@pytest.mark.parametrize("variant", ["v1", "fused"])
+def test_full_other_split_counts(num_splits, variant):
     A = load_kernels("attention")
-    assert run_full(A, Q1, 8, 20000, seed=num_splits, num_splits=num_splits) < TOL
+    assert run_full(A, Q1, 8, 20000, seed=num_splits, num_splits=num_splits, variant=variant) < TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 6, 8])
 @pytest.mark.parametrize("start", [0, 5, 4090, 4095, 4096, 4159, 4160, 4161, 3 * 4160 + 17, 200003])
-def test_ring_q1(w, start):
+@pytest.mark.parametrize("variant", ["v1", "fused"])
+def test_ring_q1(w, start, variant):
     A = load_kernels("attention")
-    assert run_ring(A, Q1, w, start, seed=start * 10 + w) < TOL
+    assert run_ring(A, Q1, w, start, seed=start * 10 + w, variant=variant) < TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 8])
 @pytest.mark.parametrize("start", [0, 300, 511, 575, 576, 1300, 70001])
-def test_mini(w, start):
+@pytest.mark.parametrize("variant", ["v1", "fused"])
+def test_mini(w, start, variant):
     A = load_kernels("attention")
-    assert run_full(A, MINI, w, start, seed=start + w) < TOL
-    assert run_ring(A, MINI, w, start, seed=start + w + 1) < TOL
+    assert run_full(A, MINI, w, start, seed=start + w, variant=variant) < TOL
+    assert run_ring(A, MINI, w, start, seed=start + w + 1, variant=variant) < TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
-def test_negative_controls(shape):
+@pytest.mark.parametrize("variant", ["v1", "fused"])
+def test_negative_controls(shape, variant):
     A = load_kernels("attention")
     nh = shape["nh"]
     no_sink = torch.full((nh,), float("-inf"), device="cuda")
-    assert run_full(A, shape, 8, 5000, seed=1, sinks_override=no_sink) > TOL
-    assert run_ring(A, shape, 8, 3 * shape["window"] + 5, seed=2, slots=shape["window"]) > TOL
+    assert run_full(A, shape, 8, 5000, seed=1, sinks_override=no_sink, variant=variant) > TOL
+    assert run_ring(A, shape, 8, 3 * shape["window"] + 5, seed=2, slots=shape["window"],
+                    variant=variant) > TOL
+    if variant == "fused":  # the merge skips the last active split
+        assert run_full(A, shape, 8, 20000, seed=3, variant=variant, _drop_last=True) > TOL
 
 
 @pytest.mark.gpu
-def test_graph_capture_replays_with_new_positions():
-    """Captured once; start_pos changed on the device; replays read the new extent."""
+def test_fused_counter_reset_and_repeat():
+    """Two fused calls in a row (eager) give identical outputs and leave the counters at zero."""
     A = load_kernels("attention")
+    ws = torch.zeros(2, dtype=torch.int32, device="cuda")
+    q, k, v, sinks = make_full(8, 6, 1, 128, 70000, seed=5)
+    sp = _start(70000, q.device)
+    o1 = A.decode_attention_full(q, k, v, sp, sinks, variant="fused", workspace=ws)
+    torch.cuda.synchronize()
+    assert ws.tolist() == [0, 0]
+    o2 = A.decode_attention_full(q, k, v, sp, sinks, variant="fused", workspace=ws)
+    torch.cuda.synchronize()
+    assert ws.tolist() == [0, 0]
+    assert torch.equal(o1, o2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v1", "fused"])
+def test_graph_capture_replays_with_new_positions(variant):
+    """Captured once; start_pos changed on the device; replays read the new extent. The graph holds
+    two calls of each kind (fused: consecutive calls share one counter buffer)."""
+    A = load_kernels("attention")
+    kw = dict(variant=variant)
     w, d = 8, 128
     q, k, v, sinks = make_full(w, 6, 1, d, 70000, seed=3)
     kr = k[:, :4160].contiguous()
@@ -168,21 +197,26 @@ def test_graph_capture_replays_with_new_positions():
     sp = torch.zeros((), dtype=torch.int32, device="cuda")
     out_f = torch.empty_like(q)
     out_r = torch.empty_like(q)
-    A.decode_attention_full(q, k, v, sp, sinks, out_f)  # compile outside capture
-    A.decode_attention_ring(q, kr, vr, sp, sinks, 4096, out_r)
+    out_f2 = torch.empty_like(q)
+    out_r2 = torch.empty_like(q)
+    A.decode_attention_full(q, k, v, sp, sinks, out_f, **kw)  # compile outside capture
+    A.decode_attention_ring(q, kr, vr, sp, sinks, 4096, out_r, **kw)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        A.decode_attention_full(q, k, v, sp, sinks, out_f)
-        A.decode_attention_ring(q, kr, vr, sp, sinks, 4096, out_r)
-    for start in (0, 1000, 69999 - w, 70000):
+        A.decode_attention_full(q, k, v, sp, sinks, out_f, **kw)
+        A.decode_attention_ring(q, kr, vr, sp, sinks, 4096, out_r, **kw)
+        A.decode_attention_full(q, k, v, sp, sinks, out_f2, **kw)
+        A.decode_attention_ring(q, kr, vr, sp, sinks, 4096, out_r2, **kw)
+    for start in (0, 1000, 69999 - w, 70000, 70000):
         sp.fill_(start)
-        out_f.fill_(float("nan"))
-        out_r.fill_(float("nan"))
+        for o in (out_f, out_r, out_f2, out_r2):
+            o.fill_(float("nan"))
         g.replay()
-        assert max_row_rel_err(out_f, A.attention_reference(q, k, v, start, sinks)) < TOL
+        ref_f = A.attention_reference(q, k, v, start, sinks)
         ref_r = A.attention_reference(q, kr, vr, start, sinks, window=4096, ring=True)
-        assert max_row_rel_err(out_r, ref_r) < TOL
+        for o, ref in ((out_f, ref_f), (out_f2, ref_f), (out_r, ref_r), (out_r2, ref_r)):
+            assert max_row_rel_err(o, ref) < TOL
 
 
 # ------------------------------------------------------------------------------ CPU interpreter
@@ -207,3 +241,75 @@ def test_interp_negative_controls():
     no_sink = torch.full((MINI["nh"],), float("-inf"))
     assert run_full(A, MINI, 8, 300, seed=1, num_splits=3, sinks_override=no_sink) > TOL
     assert run_ring(A, MINI, 8, 1300, seed=2, slots=MINI["window"], num_splits=3) > TOL
+
+
+# Fused variant (one launch, arrival counter). The interpreter runs programs one after another in
+# grid order (splits before combine programs), so the wait loop never spins here: it checks the
+# arithmetic, the counting (a combine that waited for too few splits or merged too few fails) and
+# the counter reset, not the GPU memory ordering (the GPU tests and graph test do).
+@cpu_only
+@pytest.mark.parametrize("w,start,splits", [(4, 0, 3), (5, 700, 3), (8, 64 * 3 * 2 - 8, 3),
+                                            (6, 64 * 3 * 2 - 5, 3), (7, 64 * 3 + 1 - 7, 3),
+                                            (8, 1000, 5)])
+def test_interp_fused_full_mini(w, start, splits):
+    A = load_kernels("attention")
+    ws = torch.zeros(2, dtype=torch.int32)
+    assert run_full(A, MINI, w, start, seed=start + w, num_splits=splits, variant="fused",
+                    workspace=ws) < TOL
+    assert ws.tolist() == [0, 0]
+
+
+@cpu_only
+@pytest.mark.parametrize("w,start", [(8, 1300), (4, 3), (6, 575)])
+def test_interp_fused_ring_mini(w, start):
+    A = load_kernels("attention")
+    ws = torch.zeros(2, dtype=torch.int32)
+    assert run_ring(A, MINI, w, start, seed=start + w, num_splits=3, variant="fused",
+                    workspace=ws) < TOL
+    assert ws.tolist() == [0, 0]
+
+
+@cpu_only
+@pytest.mark.parametrize("splits,combine_block_d", [(300, None), (5, 64)])
+def test_interp_fused_many_splits_and_wide_combine(splits, combine_block_d):
+    """300 active splits: two chunks of 256 in the combine (online merge across chunks);
+    combine_block_d = 64: one combine program per packed row at d = 64."""
+    A = load_kernels("attention")
+    start = 64 * splits - 8 if splits > 16 else 900
+    assert run_full(A, MINI, 8, start, seed=splits, num_splits=splits, variant="fused",
+                    combine_block_d=combine_block_d) < TOL
+
+
+@cpu_only
+def test_interp_fused_gqa_two_kv_heads():
+    """nkv = 2: per-KV-head counters (arrival [0, 1], done [2, 3])."""
+    A = load_kernels("attention")
+    ws = torch.zeros(4, dtype=torch.int32)
+    shape = dict(nh=4, nkv=2, d=32, window=64)
+    assert run_full(A, shape, 8, 400, seed=9, num_splits=3, variant="fused", workspace=ws) < TOL
+    assert ws.tolist() == [0, 0, 0, 0]
+
+
+@cpu_only
+def test_interp_fused_repeat_and_default_counters():
+    """Twice in a row with the cached counter buffer: identical outputs, counters back at zero."""
+    A = load_kernels("attention")
+    q, k, v, sinks = make_full(8, 6, 1, 64, 700, seed=4)
+    sp = _start(700, q.device)
+    o1 = A.decode_attention_full(q, k, v, sp, sinks, num_splits=3, variant="fused")
+    o2 = A.decode_attention_full(q, k, v, sp, sinks, num_splits=3, variant="fused")
+    assert torch.equal(o1, o2)
+    assert max_row_rel_err(o1, A.attention_reference(q, k, v, 700, sinks)) < TOL
+    assert A._fused_counters(q.device, 1, None).eq(0).all()
+
+
+@cpu_only
+def test_interp_fused_negative_controls():
+    A = load_kernels("attention")
+    no_sink = torch.full((MINI["nh"],), float("-inf"))
+    assert run_full(A, MINI, 8, 300, seed=1, num_splits=3, sinks_override=no_sink,
+                    variant="fused") > TOL
+    assert run_ring(A, MINI, 8, 1300, seed=2, slots=MINI["window"], num_splits=3,
+                    variant="fused") > TOL
+    # Combine that skips the last active split (3 splits active at 700 + 8 keys).
+    assert run_full(A, MINI, 8, 700, seed=3, num_splits=3, variant="fused", _drop_last=True) > TOL

@@ -30,5 +30,7 @@ def test_all_kernels_compile_for_sm90():
     assert res.returncode == 0, res.stderr[-4000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert not report["problems"], report["problems"]
-    assert {"_attn_split_kernel", "_attn_combine_kernel", "_moe_gate_up_kernel", "_moe_down_kernel",
-            "_moe_reduce_kernel", "_add_rmsnorm_kernel", "_sample_kernel"} <= set(report["kernels"])
+    assert {"_attn_split_kernel", "_attn_combine_kernel", "_attn_fused_kernel", "_moe_gate_up_kernel",
+            "_moe_gate_up_v2_kernel", "_moe_down_v2_kernel",
+            "_moe_down_kernel", "_moe_reduce_kernel", "_add_rmsnorm_kernel",
+            "_sample_kernel"} <= set(report["kernels"])

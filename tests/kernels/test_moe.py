@@ -7,6 +7,11 @@ Two checks per case, on fresh random non-zero inputs with a NaN-poisoned output:
 * against the plain FP32 oracle ``moe_reference`` (no activation quantisation): < TOL_FP32 (the
   E4M3 activations cost about 2% relative error).
 Negative control: the kernel reading the next block's weight scale must fail both checks.
+
+Every variant (``variant="v1"``: three launches; ``"v2"``: split-K Gate/Up + Down with the reduce
+fused, two launches, cross-program sums by the last-arriving program) is held to the same references
+and tolerances; v2 has a second negative control, ``_drop_split`` (the Down reduction leaves out one
+expert split), which must fail too.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ TOL_FP32 = 6e-2
 
 Q1 = dict(H=6144, I=256, E=128)
 MINI = dict(H=256, I=128, E=32)
+MINI_K = dict(H=512, I=128, E=16)   # 4 H blocks: split-K with 4, and 3 (uneven: one empty split)
+VARIANTS = ("v1", "v2")
 
 
 def _dev():
@@ -152,3 +159,101 @@ def test_interp_negative_control():
     M = load_kernels("moe")
     errs = run_case(M, MINI, 6, "shared", seed=5, _scale_bug=True)
     assert _rejected(errs), errs
+
+
+# ------------------------------------------------------------------------------ v2 (all checks)
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 5, 6, 7, 8])
+@pytest.mark.parametrize("kind", ["random", "shared", "same"])
+def test_q1_shard_v2(w, kind):
+    M = load_kernels("moe")
+    errs = run_case(M, Q1, w, kind, seed=100 * w + len(kind), weights=_q1_weights(), variant="v2")
+    assert _ok(errs), errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k,split_e", [(1, 1), (3, 5), (6, 16)])
+def test_q1_shard_v2_splits(split_k, split_e):
+    M = load_kernels("moe")
+    errs = run_case(M, Q1, 6, "shared", seed=11, weights=_q1_weights(), variant="v2",
+                    gu_split_k=split_k, down_split_e=split_e)
+    assert _ok(errs), errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bug", ["_scale_bug", "_drop_split"])
+def test_negative_controls_v2(bug):
+    M = load_kernels("moe")
+    errs = run_case(M, Q1, 6, "shared", seed=5, weights=_q1_weights(), variant="v2", **{bug: True})
+    assert _rejected(errs), errs
+
+
+@pytest.mark.gpu
+def test_v2_graph_capture_deterministic_counters_stay_zero():
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = _q1_weights()
+    w = 6
+    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
+    ids, tw = make_routing(w, Q1["E"], "random", 1)
+    out = torch.empty((w, Q1["H"]), dtype=torch.bfloat16, device="cuda")
+    cnt = torch.zeros(M.counters_size(w, Q1["H"], Q1["I"], Q1["E"]), dtype=torch.int32, device="cuda")
+    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, variant="v2", counters=cnt)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, variant="v2", counters=cnt)
+    for seed, kind in ((2, "random"), (3, "same"), (4, "shared")):
+        new_ids, new_tw = make_routing(w, Q1["E"], kind, seed)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        outs = []
+        for _ in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            outs.append(out.clone())
+        emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
+        assert rel_err(out, emu) < TOL_EMU
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), "v2 not deterministic"
+        assert int(cnt.abs().sum()) == 0, "counters not reset"
+
+
+@cpu_only
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
+def test_interp_mini_v2(w, kind):
+    M = load_kernels("moe")
+    errs = run_case(M, MINI, w, kind, seed=w, variant="v2")
+    assert _ok(errs), errs
+
+
+@cpu_only
+@pytest.mark.parametrize("split_k,split_e", [(4, 8), (3, 3)])
+def test_interp_v2_splits(split_k, split_e):
+    M = load_kernels("moe")
+    errs = run_case(M, MINI_K, 5, "shared", seed=3, variant="v2", gu_split_k=split_k,
+                    down_split_e=split_e)
+    assert _ok(errs), errs
+
+
+@cpu_only
+@pytest.mark.parametrize("bug", ["_scale_bug", "_drop_split"])
+def test_interp_negative_controls_v2(bug):
+    M = load_kernels("moe")
+    errs = run_case(M, MINI, 6, "shared", seed=5, variant="v2", **{bug: True})
+    assert _rejected(errs), errs
+
+
+@cpu_only
+def test_interp_v2_matches_v1_and_leaves_counters_zero():
+    """Same inputs: v2 within the emulated tolerance of v1; a persistent counter buffer ends zero."""
+    M = load_kernels("moe")
+    H, I, E, w = MINI["H"], MINI["I"], MINI["E"], 6
+    w13, s13, w2, s2 = make_weights(H, I, E, 9)
+    x = torch.randn(w, H, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    ids, tw = make_routing(w, E, "shared", 9)
+    cnt = torch.zeros(M.counters_size(w, H, I, E), dtype=torch.int32)
+    o1 = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, variant="v1")
+    o2 = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, variant="v2", counters=cnt)
+    assert int(cnt.abs().sum()) == 0
+    o3 = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, variant="v2", counters=cnt)
+    assert torch.equal(o2, o3)
+    assert rel_err(o2, o1) < TOL_EMU
