@@ -237,6 +237,9 @@ def bench_moe(copy_bw, l2, sweep):
         # v2 with a persistent counter buffer (left zero by every call): no per-call memset node.
         cnt = torch.zeros(M.counters_size(w, H, I, E), device=DEV, dtype=torch.int32)
         variants += [("v2_cnt", dict(variant="v2", counters=cnt))]
+        # v1 with the wide, pipelined Down (down_nb column blocks per program)
+        variants += [(f"v1_nb{nb}_st{st}", dict(variant="v1", down_nb=nb, down_num_stages=st))
+                     for nb, st in [(2, 2), (4, 2), (4, 3), (8, 2), (8, 3), (12, 3)]]
         if sweep and distinct == MOE["realistic"]:
             variants += [(f"gu{a}_down{b}", dict(variant="v1", gu_num_stages=a, down_num_stages=b))
                          for a, b in [(3, 2), (6, 2), (4, 3)]]
@@ -260,8 +263,8 @@ def bench_moe(copy_bw, l2, sweep):
         dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
         step_bytes = dict(gate_up=gu_bytes, down=dn_bytes + P * H * 4, reduce=P * H * 4 + w * H * 2,
                           down_reduce=dn_bytes + w * H * 2)
-        for var in ("v1", "v2"):
-            plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var)[1] for x, ids, tw, wt, o in data]
+        for var, vkw in (("v1", {}), ("v2", {}), ("v1_nb4", dict(down_nb=4)), ("v1_nb8", dict(down_nb=8))):
+            plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var[:2], **vkw)[1] for x, ids, tw, wt, o in data]
             for plan in plans:  # fill the intermediate buffers (activations, group table) once
                 for _, launch in plan:
                     launch()

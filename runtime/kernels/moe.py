@@ -72,6 +72,12 @@ DOWN_BLOCK_N = 128
 DOWN_BLOCK_K = 128
 DOWN_NUM_STAGES = 2
 DOWN_NUM_WARPS = 4
+# v1 Down: output column blocks per program (1: one block, the measured v1; > 1: the pipelined
+# wide kernel, fewer and longer programs). Measured on the H200 (experiments/notes/kernels.md):
+# whole MoE 124.3 us (1) -> 100.4 us (8, 3 stages) at 38 experts; stays 1 until the whole GPU suite
+# (fast backend included) has run with 8.
+DOWN_NB = 1
+DOWN_WIDE_NUM_STAGES = 3
 RED_BLOCK_H = 1024
 
 # v2 (``variant="v2"``): two launches. Gate/Up split along H (GU2_SPLIT_K programs per (group, 32
@@ -232,6 +238,57 @@ def _moe_down_kernel(
             acc += tl.dot(a, tl.trans(w.to(tl.bfloat16))) * sw[None, :]
         tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], acc,
                  mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_wide_kernel(
+    ACT, ACT_SCALE, IDS, W2, S2, Y,
+    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym, P,
+    H: tl.constexpr, I: tl.constexpr, N_KB: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
+):
+    """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
+    activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
+    NB weight tiles of BLOCK_N x I through a software-pipelined loop, so loads of the next column
+    block are in flight while this one is multiplied. Same products as v1's Down (the MMA's internal
+    summation order may differ in the last bit). H200: Down 59.1 -> 37.2 us at NB=8, 3 stages."""
+    g = tl.program_id(0)
+    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
+    if g < n_groups:
+        offs_k = tl.arange(0, 128)
+        k1 = 128 + offs_k
+        k0_ok = offs_k < I
+        k1_ok = k1 < I
+        a0 = (tl.load(ACT + pair[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k0_ok[None, :],
+                      other=0.0).to(tl.float32)
+              * tl.load(ACT_SCALE + pair[:, None] * stride_asm + (offs_k // ACT_BLOCK)[None, :],
+                        mask=row_ok[:, None] & k0_ok[None, :], other=0.0)).to(tl.bfloat16)
+        a1 = (tl.load(ACT + pair[:, None] * stride_am + k1[None, :], mask=row_ok[:, None] & k1_ok[None, :],
+                      other=0.0).to(tl.float32)
+              * tl.load(ACT_SCALE + pair[:, None] * stride_asm + (k1 // ACT_BLOCK)[None, :],
+                        mask=row_ok[:, None] & k1_ok[None, :], other=0.0)).to(tl.bfloat16)
+        kb0 = 0
+        kb1 = 1
+        if SCALE_BUG:
+            kb0 = 1 % N_KB
+            kb1 = 2 % N_KB
+        w_base = W2 + expert.to(tl.int64) * stride_we
+        s_base = S2 + expert * stride_se
+        for j in tl.range(0, NB, num_stages=LOOP_STAGES):
+            offs_n = (tl.program_id(1) * NB + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < H
+            w_ptr = w_base + offs_n[:, None] * stride_wn
+            s_ptr = s_base + (offs_n // 128) * stride_sn
+            w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k0_ok[None, :], other=0.0)
+            sw0 = tl.load(s_ptr + kb0 * stride_sk, mask=n_ok, other=0.0)
+            acc = tl.dot(a0, tl.trans(w0.to(tl.bfloat16))) * sw0[None, :]
+            if I > 128:
+                w1 = tl.load(w_ptr + k1[None, :], mask=n_ok[:, None] & k1_ok[None, :], other=0.0)
+                sw1 = tl.load(s_ptr + kb1 * stride_sk, mask=n_ok, other=0.0)
+                acc += tl.dot(a1, tl.trans(w1.to(tl.bfloat16))) * sw1[None, :]
+            tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], acc,
+                     mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -459,6 +516,21 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
     )
 
 
+def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False):
+    """v1 Down with ``nb`` column blocks per program (one launch; I <= 256)."""
+    E, H, I = w2.shape
+    check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
+    _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
+        act, act_scale, ids, w2, s2, y,
+        act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        s2.stride(2), y.stride(0), P,
+        H=H, I=I, N_KB=s2.shape[2],
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
+        ACT_BLOCK=GU_BLOCK_N, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
+        num_warps=DOWN_NUM_WARPS,
+    )
+
+
 def _launch_reduce(y, tw, out):
     """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch)."""
     w, H = out.shape
@@ -510,7 +582,7 @@ def counters_size(w, H, I, E, topk=8):
 
 def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=None,
              gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
-             counters=None, gu_maxnreg=None, _scale_bug=False, _drop_split=False):
+             counters=None, gu_maxnreg=None, down_nb=None, _scale_bug=False, _drop_split=False):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -530,12 +602,17 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
     if variant == "v1":
         check(not _drop_split, "_drop_split is a v2 control")
+        nb = int(down_nb or DOWN_NB)
+        check(nb >= 1, "down_nb >= 1")
         y = torch.empty((P, H), device=dev, dtype=torch.float32)
         steps = [
             ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug)),
-            ("down", lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
-                                          num_stages=down_num_stages, scale_bug=_scale_bug)),
+            ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
+                                           num_stages=down_num_stages, scale_bug=_scale_bug))
+             if nb == 1 else
+             (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
+                                        num_stages=down_num_stages, scale_bug=_scale_bug))),
             ("reduce", lambda: _launch_reduce(y, tw, out)),
         ]
         return out, steps
@@ -566,7 +643,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
 
 def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _scale_bug=False,
                   gu_num_stages=None, down_num_stages=None, variant=None, gu_split_k=None,
-                  down_split_e=None, counters=None, gu_maxnreg=None, _drop_split=False):
+                  down_split_e=None, counters=None, gu_maxnreg=None, down_nb=None, _drop_split=False):
     """out[r] = sum_k topk_weights[r, k] * Down_e(SiLU(Gate_e x_r) * Up_e x_r), e = topk_ids[r, k].
 
     x [w, H] bf16; topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
@@ -578,13 +655,15 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _sca
     ``down_split_e`` (DOWN2_SPLIT_E), ``counters`` (a persistent int32 zero buffer of
     ``counters_size(...)`` entries, left zero by each call; otherwise one is zeroed per call),
     ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
+    v1 option: ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
+    pipelined wide Down kernel).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction.
     """
     out, steps = moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out, variant=variant,
                           gu_num_stages=gu_num_stages, down_num_stages=down_num_stages,
                           gu_split_k=gu_split_k, down_split_e=down_split_e, counters=counters,
-                          gu_maxnreg=gu_maxnreg,
+                          gu_maxnreg=gu_maxnreg, down_nb=down_nb,
                           _scale_bug=_scale_bug, _drop_split=_drop_split)
     for _, launch in steps:
         launch()

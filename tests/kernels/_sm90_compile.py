@@ -76,6 +76,9 @@ def _launch_everything(A, M, Nm, S):
             M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug)
             M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, variant="v2",
                             _drop_split=bug)
+            for nb, st in ((4, 2), (8, 3)):
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, down_nb=nb,
+                                down_num_stages=st)
         for rdt in (bf, torch.float32):
             x = torch.randn(8, H).to(bf)
             Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6)

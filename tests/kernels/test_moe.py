@@ -143,6 +143,29 @@ def test_graph_capture_replays_with_new_routing():
         assert rel_err(out, emu) < TOL_EMU
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("nb", [2, 4, 8])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
+def test_q1_shard_wide_down(w, kind, nb):
+    M = load_kernels("moe")
+    errs = run_case(M, Q1, w, kind, seed=100 * w + len(kind), weights=_q1_weights(), down_nb=nb)
+    assert _ok(errs), errs
+
+
+@pytest.mark.gpu
+def test_wide_down_matches_v1_and_rejects_scale_bug():
+    """Same products per output column as v1's Down; only the MMA's internal summation order may
+    differ (the H200 showed differences in the last BF16 bit, not bit-identical output)."""
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = _q1_weights()
+    x = torch.randn(6, Q1["H"], device="cuda").to(torch.bfloat16)
+    ids, tw = make_routing(6, Q1["E"], "shared", 3)
+    a = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=1)
+    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=4)
+    assert rel_err(b, a) < 2e-3
+    assert _rejected(run_case(M, Q1, 6, "shared", seed=5, weights=_q1_weights(), down_nb=4, _scale_bug=True))
+
+
 # ------------------------------------------------------------------------------ CPU interpreter
 # The interpreter loads and upcasts E4M3 correctly; its FP32->E4M3 conversion is not used (the
 # kernel encodes E4M3 with integer arithmetic), so the FP8 paths run on the CPU too.
@@ -152,6 +175,15 @@ def test_interp_mini(w, kind):
     M = load_kernels("moe")
     errs = run_case(M, MINI, w, kind, seed=w)
     assert _ok(errs), errs
+
+
+@cpu_only
+@pytest.mark.parametrize("nb,w,kind", [(2, 4, "random"), (3, 6, "shared")])
+def test_interp_mini_wide_down(nb, w, kind):
+    """down_nb > 1 (3 does not divide the column blocks: the last program is partly masked)."""
+    M = load_kernels("moe")
+    assert _ok(run_case(M, MINI, w, kind, seed=w, down_nb=nb))
+    assert _rejected(run_case(M, MINI_K, w, kind, seed=5, down_nb=nb, _scale_bug=True))
 
 
 @cpu_only
