@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import pandas as pd  # noqa: E402
 
 from analysis import rawio, stats, verdict  # noqa: E402
+from analysis.report import parse_cli  # noqa: E402
 from harness_calibration import FPR_BOUNDS, summarize  # noqa: E402
 
 DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests": 12, "max_new_tokens": 32,
@@ -45,15 +46,11 @@ DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests
 
 
 def parse(argv):
-    s = dict(DEFAULTS)
-    for a in argv:
-        if a in ("-h", "--help"):
-            print(__doc__)
-            sys.exit(0)
-        k, _, v = a.partition("=")
-        if k not in s:
-            sys.exit(f"error: unknown setting {k!r}; known: {sorted(s)}")
-        s[k] = type(DEFAULTS[k])(v)
+    s, positional = parse_cli(argv, DEFAULTS, __doc__)
+    if s is None:
+        sys.exit(0)
+    if positional:
+        sys.exit(f"error: unexpected arguments {positional} (settings are key=value; --help)")
     return s
 
 

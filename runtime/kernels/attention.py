@@ -103,6 +103,49 @@ def _key_range(start, W, WINDOW, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr,
     return lo, seq_end, n_blocks, per_split
 
 
+@triton.jit
+def _split_partial(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn, stride_vh, stride_vn,
+                   stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, lo, seq_end,
+                   b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One split: online softmax of the packed Q tile over key blocks [b_begin, b_end) of the
+    logical range starting at ``lo``; stores the un-normalised partial (acc, m, l) of ``split``."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for b in range(b_begin, b_end):
+        pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = pos < seq_end
+        if IS_RING:
+            slot = pos % R
+        else:
+            slot = pos
+        k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if IS_RING:
+            vis = vis & (pos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc_ptr = ACC + kvh * stride_ah + split * stride_as
+    tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc, mask=row_ok[:, None])
+    ml_ptr = ML + kvh * stride_mh + split * stride_ms
+    tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
+    tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"])
 def _attn_split_kernel(
     Q, K, V, ACC, ML, START,
@@ -129,39 +172,10 @@ def _attn_split_kernel(
         row_ok = offs_m < W * G
         q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        q_pos = start + row_i
-        k_base = K + kvh.to(tl.int64) * stride_kh
-        v_base = V + kvh.to(tl.int64) * stride_vh
-        m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for b in range(b_begin, b_end):
-            pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_ok = pos < seq_end
-            if IS_RING:
-                slot = pos % R
-            else:
-                slot = pos
-            k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                        mask=key_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale_log2
-            vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            if IS_RING:
-                vis = vis & (pos[None, :] > q_pos[:, None] - WINDOW)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                        mask=key_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        acc_ptr = ACC + kvh * stride_ah + split * stride_as
-        tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc, mask=row_ok[:, None])
-        ml_ptr = ML + kvh * stride_mh + split * stride_ms
-        tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
-        tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+        _split_partial(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
+                       stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
+                       qk_scale_log2, lo, seq_end, b_begin, b_end, WINDOW, R,
+                       IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["W", "WINDOW", "NUM_SPLITS"])
@@ -249,40 +263,10 @@ def _attn_fused_kernel(
         b_begin = pid * per_split
         b_end = tl.minimum(b_begin + per_split, n_blocks)
         if b_begin < b_end:
-            q_pos = start + row_i
-            k_base = K + kvh.to(tl.int64) * stride_kh
-            v_base = V + kvh.to(tl.int64) * stride_vh
-            m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for b in range(b_begin, b_end):
-                pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
-                key_ok = pos < seq_end
-                if IS_RING:
-                    slot = pos % R
-                else:
-                    slot = pos
-                k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                            mask=key_ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * qk_scale_log2
-                vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-                if IS_RING:
-                    vis = vis & (pos[None, :] > q_pos[:, None] - WINDOW)
-                s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                            mask=key_ok[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
-            acc_ptr = ACC + kvh * stride_ah + pid * stride_as
-            tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc,
-                     mask=row_ok[:, None])
-            ml_ptr = ML + kvh * stride_mh + pid * stride_ms
-            tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
-            tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+            _split_partial(q, start + row_i, row_ok, K, V, ACC, ML, kvh, pid, stride_kh, stride_kn,
+                           stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
+                           qk_scale_log2, lo, seq_end, b_begin, b_end, WINDOW, R,
+                           IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM)
             # Every thread's stores precede (bar.sync) the one release-add that publishes them.
             tl.debug_barrier()
             tl.atomic_add(arrive_ptr, 1, sem="release", scope="gpu")

@@ -120,21 +120,31 @@ def test_negative_control_wrong_scale_block(shape):
     assert _rejected(errs), errs
 
 
+def _captured_moe(M, w=6, **kw):
+    """One fused_moe_fp8 call on the q1 shard captured in a CUDA graph (after a warm-up call);
+    returns the graph, its inputs and output."""
+    w13, s13, w2, s2 = _q1_weights()
+    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
+    ids, tw = make_routing(w, Q1["E"], "random", 1)
+    out = torch.empty((w, Q1["H"]), dtype=torch.bfloat16, device="cuda")
+    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, **kw)
+    return g, x, ids, tw, out
+
+
+ROUTINGS = ((2, "random"), (3, "same"), (4, "shared"))
+
+
 @pytest.mark.gpu
 def test_graph_capture_replays_with_new_routing():
     M = load_kernels("moe")
     w13, s13, w2, s2 = _q1_weights()
-    w = 6
-    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
-    ids, tw = make_routing(w, Q1["E"], "random", 1)
-    out = torch.empty((w, Q1["H"]), dtype=torch.bfloat16, device="cuda")
-    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out)
-    for seed, kind in ((2, "random"), (3, "same"), (4, "shared")):
-        new_ids, new_tw = make_routing(w, Q1["E"], kind, seed)
+    g, x, ids, tw, out = _captured_moe(M)
+    for seed, kind in ROUTINGS:
+        new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
         ids.copy_(new_ids)
         tw.copy_(new_tw)
         out.fill_(float("nan"))
@@ -224,18 +234,10 @@ def test_negative_controls_v2(bug):
 def test_v2_graph_capture_deterministic_counters_stay_zero():
     M = load_kernels("moe")
     w13, s13, w2, s2 = _q1_weights()
-    w = 6
-    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
-    ids, tw = make_routing(w, Q1["E"], "random", 1)
-    out = torch.empty((w, Q1["H"]), dtype=torch.bfloat16, device="cuda")
-    cnt = torch.zeros(M.counters_size(w, Q1["H"], Q1["I"], Q1["E"]), dtype=torch.int32, device="cuda")
-    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, variant="v2", counters=cnt)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, variant="v2", counters=cnt)
-    for seed, kind in ((2, "random"), (3, "same"), (4, "shared")):
-        new_ids, new_tw = make_routing(w, Q1["E"], kind, seed)
+    cnt = torch.zeros(M.counters_size(6, Q1["H"], Q1["I"], Q1["E"]), dtype=torch.int32, device="cuda")
+    g, x, ids, tw, out = _captured_moe(M, 6, variant="v2", counters=cnt)
+    for seed, kind in ROUTINGS:
+        new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
         ids.copy_(new_ids)
         tw.copy_(new_tw)
         outs = []
