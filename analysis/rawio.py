@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 ARMS = ("control", "candidate", "aa")
-WIDTH_RANGE = (4, 8)  # one committed token plus 3..7 drafts
+WIDTH_RANGE = (2, 8)  # one committed token plus 1..7 drafts (runtime.draft: 1 <= min_depth <= max_depth <= 7)
 
 STEP_COLUMNS = {  # column -> kind: "str", "int", "bool", "list"
     "request_id": "str", "arm": "str", "rep": "int", "order": "int", "step": "int",

@@ -124,7 +124,7 @@ def test_schema_errors_name_the_problem(run_dir, tmp_path):
     with pytest.raises(rawio.RunDataError, match=r"missing columns \['accepted'\]"):
         rawio.read_run(d)
     df.assign(width=df["width"] + 5).to_parquet(part)
-    with pytest.raises(rawio.RunDataError, match="width outside 4..8"):
+    with pytest.raises(rawio.RunDataError, match="width outside 2..8"):
         rawio.read_run(d)
     df.assign(arm="treatment").to_parquet(part)
     with pytest.raises(rawio.RunDataError, match="arm not in"):
