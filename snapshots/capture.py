@@ -61,7 +61,7 @@ import torch
 
 from . import tokenizer as tk
 from .store import (MANIFEST, SCHEMA, SCHEMA_VERSION, STATE, SnapshotError, commit_dir, file_entry, git_revision,
-                    load_manifest, new_tmp_dir, parse_cli, resolve_store, runtime_settings, snapshot_dir)
+                    load_manifest, new_tmp_dir, parse_cli, resolve_store, runtime_settings, snapshot_dir, wants_help)
 from .traces import ArgumentError
 
 DRAFT_ROWS = ("aligned", "minimal")
@@ -305,9 +305,8 @@ Exit status: 0 all captured or reused; 1 some request failed (listed; nothing wa
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(USAGE)
+    argv, helped = wants_help(argv, USAGE)
+    if helped:
         return 0
     from .traces import CorpusError, load_corpus
 

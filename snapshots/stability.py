@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import tokenizer as tk
-from .store import git_revision, group_dir, parse_cli
+from .store import git_revision, group_dir, parse_cli, wants_help
 from .traces import ArgumentError
 
 # distance from the last prompt position: [lo, hi)
@@ -161,9 +161,8 @@ earlier positions move (its own variation, per bucket of distance from the promp
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(USAGE)
+    argv, helped = wants_help(argv, USAGE)
+    if helped:
         return 0
     from .capture import build_engine
     from .traces import CorpusError, load_corpus

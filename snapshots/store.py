@@ -241,6 +241,15 @@ def _set_dotted(d: dict, dotted: str, value) -> None:
     d[last] = value
 
 
+def wants_help(argv: list[str] | None, usage: str) -> tuple[list[str], bool]:
+    """``(argv, True)`` after printing ``usage`` when help was asked for; argv defaults to sys.argv[1:]."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(usage)
+        return argv, True
+    return argv, False
+
+
 def parse_cli(command: str, argv: list[str]) -> dict:
     """``key=value`` arguments over conf/snapshots/<command>.yaml. Values are read as YAML scalars
     (``limit=5``, ``check=true``, ``store=null``); ``runtime.x.y=v`` goes to the runtime overrides.

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from .restore import BROKEN, load_snapshot, restore
-from .store import (TMP_PREFIX, SnapshotError, git_revision, group_dir, load_manifest, parse_cli, update_manifest)
+from .store import (TMP_PREFIX, SnapshotError, git_revision, group_dir, load_manifest, parse_cli, update_manifest,
+                    wants_help)
 from .traces import ArgumentError
 
 STATE_FIELDS = ("tokens", "q_ids", "q_probs", "g", "n_drafts", "out", "n_out", "done", "start")
@@ -168,9 +169,8 @@ Exit status: 0 all passed (or, with broken=, all rejected); 1 otherwise; 2 bad a
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(USAGE)
+    argv, helped = wants_help(argv, USAGE)
+    if helped:
         return 0
     from .capture import build_engine
 

@@ -104,6 +104,20 @@ def _key_range(start, W, WINDOW, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The packed Q tile of KV head ``kvh``: row m = (live row m // G, head kvh * G + m % G);
+    rows past W * G are zero. Returns (q, live row of each packed row, row valid)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_i = offs_m // G
+    head = kvh * G + offs_m % G
+    row_ok = offs_m < W * G
+    q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    return q, row_i, row_ok
+
+
+@triton.jit
 def _split_partial(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn, stride_vh, stride_vn,
                    stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, lo, seq_end,
                    b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -165,13 +179,7 @@ def _attn_split_kernel(
     b_begin = split * per_split
     b_end = tl.minimum(b_begin + per_split, n_blocks)
     if b_begin < b_end:
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        row_i = offs_m // G
-        head = kvh * G + offs_m % G
-        row_ok = offs_m < W * G
-        q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
         _split_partial(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                        stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                        qk_scale_log2, lo, seq_end, b_begin, b_end, WINDOW, R,
@@ -253,13 +261,7 @@ def _attn_fused_kernel(
     done_ptr = CNT + NKV + kvh
     if pid < NUM_SPLITS:
         # The Q tile does not depend on start_pos: its load is in flight together with START's.
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        row_i = offs_m // G
-        head = kvh * G + offs_m % G
-        row_ok = offs_m < W * G
-        q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
         b_begin = pid * per_split
         b_end = tl.minimum(b_begin + per_split, n_blocks)
         if b_begin < b_end:
