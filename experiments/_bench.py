@@ -60,3 +60,22 @@ def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 10) -> tuple[float, floa
     if CUDA:
         torch.cuda.empty_cache()   # the 4 GiB of copy buffers are gone by now
     return 2 * nbytes / t, t
+
+
+def write_results(name: str, payload: dict, rows: list[dict]) -> str | None:
+    """$OUT/<name>.json (payload plus the rows) and $OUT/<name>.csv (the rows, union of their keys);
+    nothing without $OUT. Returns the folder written to."""
+    import csv
+    import json
+    out = os.environ.get("OUT")
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({**payload, "rows": rows}, f, indent=1)
+    keys = sorted({k for r in rows for k in r})
+    with open(os.path.join(out, f"{name}.csv"), "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    return out

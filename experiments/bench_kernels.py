@@ -23,9 +23,7 @@ spent on it.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
-import json
 import math
 import os
 import statistics
@@ -33,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DEV, DRY_RUN, copy_bandwidth  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -355,15 +353,7 @@ def main():
     copy_bw2, _ = copy_bandwidth()
     env.update(copy_bw=copy_bw, copy_bw_end=copy_bw2, wall_s=time.time() - t0)
 
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_kernels.json"), "w") as f:
-            json.dump(dict(env=env, rows=ROWS), f, indent=1)
-        keys = sorted({k for r in ROWS for k in r})
-        with open(os.path.join(out, "bench_kernels.csv"), "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=keys)
-            wr.writeheader()
-            wr.writerows(ROWS)
+    write_results("bench_kernels", dict(env=env), ROWS)
 
     print(f"\ncopy bandwidth {copy_bw / 1e12:.3f} TB/s (end of run: {copy_bw2 / 1e12:.3f})")
     print(f"{'kernel':9s} {'shape':30s} {'variant':22s} {'graph_us':>9s} {'frac':>6s} "

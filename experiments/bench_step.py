@@ -36,9 +36,7 @@ GPU time is spent on it.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -46,7 +44,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, time_call  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, time_call, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -431,16 +429,8 @@ def main() -> int:
     wbytes = None
     if not args.no_q1:
         wbytes = bench_q1(args, copy_bw)
-    out = os.environ.get("OUT")
+    out = write_results("bench_step", {"env": env, "copy_bw": copy_bw, "weight_bytes": wbytes}, ROWS)
     if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "bench_step.json"), "w") as f:
-            json.dump({"env": env, "copy_bw": copy_bw, "weight_bytes": wbytes, "rows": ROWS}, f, indent=1)
-        keys = sorted({k for r in ROWS for k in r})
-        with open(os.path.join(out, "bench_step.csv"), "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=keys)
-            wr.writeheader()
-            wr.writerows(ROWS)
         log(f"wrote {out}/bench_step.json, .csv")
     log("done")
     print(table(copy_bw), flush=True)

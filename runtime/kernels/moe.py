@@ -156,6 +156,28 @@ def _e4m3_bits(a):
     return code.to(tl.uint8)
 
 
+@triton.jit
+def _act_tile(ACT, ACT_SCALE, pair, row_ok, kk, I, stride_am, stride_asm, ACT_BLOCK: tl.constexpr):
+    """The group's E4M3 activations at columns ``kk`` (rows ``pair``), dequantised to BF16."""
+    a_ok = row_ok[:, None] & (kk < I)[None, :]
+    a8 = tl.load(ACT + pair[:, None] * stride_am + kk[None, :], mask=a_ok, other=0.0)
+    sa = tl.load(ACT_SCALE + pair[:, None] * stride_asm + (kk // ACT_BLOCK)[None, :], mask=a_ok, other=0.0)
+    return (a8.to(tl.float32) * sa).to(tl.bfloat16)
+
+
+@triton.jit
+def _silu_mul_e4m3(hg, hu, ok, AXIS: tl.constexpr):
+    """SiLU(gate) * up, zero outside ``ok``, quantised to E4M3 with one scale per pair (amax over
+    ``AXIS``, the column axis): returns (E4M3 bits, scales). Shared by both Gate/Up variants so their
+    activations are encoded identically."""
+    h = tl.where(ok, hg * tl.sigmoid(hg) * hu, 0.0)
+    amax = tl.max(tl.abs(h), AXIS)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    a = tl.math.div_rn(h, tl.broadcast_to(tl.expand_dims(scale, AXIS), h.shape))
+    a = tl.minimum(tl.maximum(a, -_FP8_MAX), _FP8_MAX)
+    return _e4m3_bits(a), scale
+
+
 @triton.jit(do_not_specialize=["P"])
 def _moe_gate_up_kernel(
     X, IDS, W13, S13, ACT, ACT_SCALE,
@@ -193,14 +215,9 @@ def _moe_gate_up_kernel(
             su = tl.load(s_u + kb * stride_sk, mask=n_ok, other=0.0)
             acc_g += tl.dot(x, tl.trans(wg.to(tl.bfloat16))) * sg[None, :]
             acc_u += tl.dot(x, tl.trans(wu.to(tl.bfloat16))) * su[None, :]
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
         ok = row_ok[:, None] & n_ok[None, :]
-        h = tl.where(ok, h, 0.0)
-        amax = tl.max(tl.abs(h), 1)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
-        a = tl.math.div_rn(h, tl.broadcast_to(scale[:, None], [BLOCK_M, BLOCK_N]))
-        a = tl.minimum(tl.maximum(a, -_FP8_MAX), _FP8_MAX)
-        tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], _e4m3_bits(a), mask=ok)
+        bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
+        tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
         tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
 
 
@@ -225,11 +242,7 @@ def _moe_down_kernel(
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < I
-            a_ok = row_ok[:, None] & k_ok[None, :]
-            a8 = tl.load(ACT + pair[:, None] * stride_am + kk[None, :], mask=a_ok, other=0.0)
-            sa = tl.load(ACT_SCALE + pair[:, None] * stride_asm + (kk // ACT_BLOCK)[None, :],
-                         mask=a_ok, other=0.0)
-            a = (a8.to(tl.float32) * sa).to(tl.bfloat16)
+            a = _act_tile(ACT, ACT_SCALE, pair, row_ok, kk, I, stride_am, stride_asm, ACT_BLOCK)
             w = tl.load(w_ptr + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             kb = k0 // 128
             if SCALE_BUG:
@@ -260,14 +273,8 @@ def _moe_down_wide_kernel(
         k1 = 128 + offs_k
         k0_ok = offs_k < I
         k1_ok = k1 < I
-        a0 = (tl.load(ACT + pair[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k0_ok[None, :],
-                      other=0.0).to(tl.float32)
-              * tl.load(ACT_SCALE + pair[:, None] * stride_asm + (offs_k // ACT_BLOCK)[None, :],
-                        mask=row_ok[:, None] & k0_ok[None, :], other=0.0)).to(tl.bfloat16)
-        a1 = (tl.load(ACT + pair[:, None] * stride_am + k1[None, :], mask=row_ok[:, None] & k1_ok[None, :],
-                      other=0.0).to(tl.float32)
-              * tl.load(ACT_SCALE + pair[:, None] * stride_asm + (k1 // ACT_BLOCK)[None, :],
-                        mask=row_ok[:, None] & k1_ok[None, :], other=0.0)).to(tl.bfloat16)
+        a0 = _act_tile(ACT, ACT_SCALE, pair, row_ok, offs_k, I, stride_am, stride_asm, ACT_BLOCK)
+        a1 = _act_tile(ACT, ACT_SCALE, pair, row_ok, k1, I, stride_am, stride_asm, ACT_BLOCK)
         kb0 = 0
         kb1 = 1
         if SCALE_BUG:
@@ -377,13 +384,8 @@ def _moe_gate_up_v2_kernel(
             for s in tl.static_range(SPLIT_K):
                 hg += tl.load(part + s * stride_ps, mask=ok, other=0.0, cache_modifier=".cg")
                 hu += tl.load(part + s * stride_ps + I, mask=ok, other=0.0, cache_modifier=".cg")
-            h = hg * tl.sigmoid(hg) * hu
-            h = tl.where(ok, h, 0.0)
-            amax = tl.max(tl.abs(h), 0)
-            scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
-            a = tl.math.div_rn(h, tl.broadcast_to(scale[None, :], [BLOCK_N, BLOCK_M]))
-            a = tl.minimum(tl.maximum(a, -_FP8_MAX), _FP8_MAX)
-            tl.store(ACT + pair[None, :] * stride_am + offs_n[:, None], _e4m3_bits(a), mask=ok)
+            bits, scale = _silu_mul_e4m3(hg, hu, ok, 0)
+            tl.store(ACT + pair[None, :] * stride_am + offs_n[:, None], bits, mask=ok)
             tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
             tl.store(CNT + g * n_nb + nb, 0)     # self-resetting: zero again for the next call
 
