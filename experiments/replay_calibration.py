@@ -3,7 +3,14 @@ coverage, and the acceptance rule — measured, not simulated.
 
     python experiments/replay_calibration.py [n_aa=20] [n_slow=20] [n_policy=3] [slowdown=0.10]
         [requests=12] [max_new_tokens=32] [policy_tokens=128] [model=q1-mini]
-        [out=experiments/results/replay_calibration]
+        [out=experiments/results/replay_calibration] [jobs=1] [extra="k=v k=v"]
+
+``jobs=N`` runs N replays at once (each is its own process; the first one runs alone, so that
+snapshots missing from the store are captured once, not by N racing processes): for a machine
+with many idle cores, e.g. the GPU machine's 16 CPUs (jobs=8, extra="runtime.device=cpu
+torch_threads=1 snapshots.auto_capture=true"). Concurrent runs share caches and memory bandwidth:
+this adds noise to every arm alike (arms alternate within each run), not an offset to one arm.
+``extra`` adds overrides to every replay command.
 
 Scenarios, each a series of independent `python -m replay.paired` runs (both arms at HEAD; each
 replicate uses its own request seed and schedule seed, so token sequences and arm orders differ):
@@ -22,6 +29,7 @@ and the summary to ``out/replay_calibration.json``. Exit status 1 when a bound i
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -42,7 +50,7 @@ from harness_calibration import FPR_BOUNDS, summarize  # noqa: E402
 
 DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests": 12, "max_new_tokens": 32,
             "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
-            "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128}
+            "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128, "jobs": 1, "extra": ""}
 
 
 def parse(argv):
@@ -71,7 +79,7 @@ def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
            # acceptance is a per-step average: the policy scenario decodes longer so it is measured
            f"max_new_tokens={s['policy_tokens'] if scenario == 'policy' else s['max_new_tokens']}",
            f"request_seed={1000 * (s['seed'] + 1) + i}", "tracking.enabled=false", "report=false",
-           "progress=false", f"RUN_DIR={run_dir}", *over]
+           "progress=false", f"RUN_DIR={run_dir}", *over, *str(s["extra"] or "").split()]
     t0 = time.time()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
@@ -106,16 +114,29 @@ def main(argv) -> int:
     plan = [("aa", i) for i in range(s["n_aa"])] + [("slow", i) for i in range(s["n_slow"])] + \
            [("policy", i) for i in range(s["n_policy"])]
     rows, t_all = [], time.time()
-    for k, (scen, i) in enumerate(plan):
+
+    def one(job):
+        scen, i = job
         d = out / "runs" / f"{scen}-{i:03d}"
-        wall = replay(s, scen, i, d)
+        return scen, i, d, replay(s, scen, i, d)
+
+    def done(scen, i, d, wall):
         row = analyse(s, scen, i, d)
         row["wall_s"] = round(wall, 1)
         rows.append(row)
-        elapsed = time.time() - t_all
-        print(f"[{k + 1}/{len(plan)}] {scen}#{i}: {row['call']:<12} tpot {stats.pct(row['mean_log']):+.2f}% "
+        k, elapsed = len(rows), time.time() - t_all
+        print(f"[{k}/{len(plan)}] {scen}#{i}: {row['call']:<12} tpot {stats.pct(row['mean_log']):+.2f}% "
               f"[{stats.pct(row['ci_lo']):+.2f}, {stats.pct(row['ci_hi']):+.2f}] flags={row['flags'] or '-'} "
-              f"({wall:.0f}s; ETA {elapsed / (k + 1) * (len(plan) - k - 1) / 60:.1f} min)", flush=True)
+              f"({wall:.0f}s; ETA {elapsed / k * (len(plan) - k) / 60:.1f} min)", flush=True)
+
+    jobs = max(1, int(s["jobs"]))
+    if plan:
+        done(*one(plan[0]))       # alone: captures any missing snapshot once
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for fut in concurrent.futures.as_completed([pool.submit(one, job) for job in plan[1:]]):
+            done(*fut.result())
+    order = {(scen, i): k for k, (scen, i) in enumerate(plan)}
+    rows.sort(key=lambda r: order[(r["scenario"], r["dataset"])])
     df = pd.DataFrame(rows)
     df.to_csv(out / "replay_calibration.csv", index=False)
     summ = summarize(df.drop(columns=["headline", "run_dir", "wall_s"]))

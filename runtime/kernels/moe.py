@@ -72,11 +72,10 @@ DOWN_BLOCK_N = 128
 DOWN_BLOCK_K = 128
 DOWN_NUM_STAGES = 2
 DOWN_NUM_WARPS = 4
-# v1 Down: output column blocks per program (1: one block, the measured v1; > 1: the pipelined
-# wide kernel, fewer and longer programs). Measured on the H200 (experiments/notes/kernels.md):
-# whole MoE 124.3 us (1) -> 100.4 us (8, 3 stages) at 38 experts; stays 1 until the whole GPU suite
-# (fast backend included) has run with 8.
-DOWN_NB = 1
+# v1 Down: output column blocks per program (1: one block per program; > 1: the pipelined wide
+# kernel, fewer and longer programs; used where I <= 256). Measured on the H200
+# (experiments/notes/kernels.md): whole MoE 124.3 us (1) -> 100.4 us (8, 3 stages) at 38 experts.
+DOWN_NB = 8
 DOWN_WIDE_NUM_STAGES = 3
 RED_BLOCK_H = 1024
 
@@ -604,7 +603,9 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
     if variant == "v1":
         check(not _drop_split, "_drop_split is a v2 control")
-        nb = int(down_nb or DOWN_NB)
+        # the wide Down holds the whole expert width (I <= 256, a q1 shard under TP >= 8) in one
+        # program; wider experts (unsharded q1) keep one column block per program by default
+        nb = int(down_nb or (DOWN_NB if I <= 256 else 1))
         check(nb >= 1, "down_nb >= 1")
         y = torch.empty((P, H), device=dev, dtype=torch.float32)
         steps = [
