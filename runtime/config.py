@@ -163,6 +163,10 @@ class DraftConfig:
 @dataclass(frozen=True)
 class DebugConfig:
     step_delay_fraction: float = 0.0
+    # False: the delay still runs after every step but is left out of the step's recorded duration.
+    # The calibration gives the control arm this untimed delay so that both arms pay whatever the
+    # pause does to the next step (colder caches), and only the timed fraction differs.
+    step_delay_timed: bool = True
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,8 @@ class RuntimeConfig:
             p.append(f"sampling needs temperature>0, 0<top_p<=1, top_k>=1; got {s}")
         if self.debug.step_delay_fraction < 0:
             p.append("debug.step_delay_fraction must be >= 0")
+        if not isinstance(self.debug.step_delay_timed, bool):
+            p.append(f"debug.step_delay_timed must be true|false, got {self.debug.step_delay_timed!r}")
         if p:
             raise ConfigError("runtime config: " + "; ".join(p))
         return self

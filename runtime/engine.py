@@ -171,7 +171,7 @@ class Engine:
     def decode(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
         """The eager host loop. Per step it reads the width, ``done`` and the depth decisions."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        delay = self.rt.debug.step_delay_fraction
+        delay, delay_timed = self.rt.debug.step_delay_fraction, self.rt.debug.step_delay_timed
         step_ns, step_t0 = [], []
         with torch.no_grad():
             while not bool(st.done):
@@ -184,12 +184,15 @@ class Engine:
                 sync()
                 dt = time.perf_counter_ns() - t0
                 if delay > 0:   # calibration only: a known, proportional slowdown
-                    # busy-wait, not sleep: an idle core changes clocks and caches, so a sleep's
-                    # real cost on the next step is not the injected fraction
+                    # busy-wait, not sleep (an idle core changes clocks). Any pause still makes the
+                    # next step slower (its caches went cold meanwhile: measured +1% at 10% on a
+                    # quiet 2-core VM, +3% beside 7 busy neighbours), hence step_delay_timed=false
+                    # for the control of a calibration: the same pause, not counted
                     until = time.perf_counter_ns() + int(dt * delay)
                     while time.perf_counter_ns() < until:
                         pass
-                    dt = time.perf_counter_ns() - t0
+                    if delay_timed:
+                        dt = time.perf_counter_ns() - t0
                 step_ns.append(dt)
                 step_t0.append(t0)
                 if on_step is not None:
