@@ -135,6 +135,10 @@ def bench_attention(copy_bw, l2, sweep):
     # A.VARIANT ("default") is, so the two can be compared at short contexts (fixed cost) too.
     every_shape = {"default", "v1", "fused"}
     configs = [("default", {}), ("v1", dict(variant="v1")), ("fused", dict(variant="fused"))]
+    # v1 combine tiles (head-dim columns x splits per load), at the long contexts, every width
+    long_only = {f"v1_cd{cd}_cs{cs}" for cd, cs in [(32, 256), (64, 64), (64, 256), (128, 32)]}
+    configs += [(f"v1_cd{cd}_cs{cs}", dict(variant="v1", combine_block_d=cd, combine_block_s=cs))
+                for cd, cs in [(32, 256), (64, 64), (64, 256), (128, 32)]]
     if sweep:
         configs += [(f"bn{bn}_st{st}_w{nw}_spm{spm}",
                      dict(block_n=bn, num_stages=st, num_warps=nw, num_splits=spm * A_SMS[0]))
@@ -172,14 +176,18 @@ def bench_attention(copy_bw, l2, sweep):
                 for q, k, v, s, _, _ in data[:2]]
             shape = (f"full{_k(ctx)}_w{w}" if mode == "full" else f"ring{_k(window)}_w{w}")
             for name, cfg in configs:
-                if name not in every_shape and not (
-                        w == 8 and (mode == "ring" or ctx >= ATTN["sweep_min_ctx"])):
+                long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
+                if name in long_only:
+                    if not long_ctx:
+                        continue
+                elif name not in every_shape and not (w == 8 and (mode == "ring" or long_ctx)):
                     continue
                 calls = [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o: A._launch(
                     q, k, v, sp, s, o, ring=mode == "ring", window=window if mode == "ring" else 0,
                     num_splits=cfg.get("num_splits"), block_n=cfg.get("block_n"),
                     num_stages=cfg.get("num_stages"), num_warps=cfg.get("num_warps"),
-                    variant=cfg.get("variant"), combine_block_d=cfg.get("combine_block_d")))
+                    variant=cfg.get("variant"), combine_block_d=cfg.get("combine_block_d"),
+                    combine_block_s=cfg.get("combine_block_s")))
                     for q, k, v, s, sp, o in data]
                 record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
                        ref_calls=ref_calls if name == "default" else None,
@@ -237,7 +245,14 @@ def bench_moe(copy_bw, l2, sweep):
         variants += [("v2_cnt", dict(variant="v2", counters=cnt))]
         # v1 with the wide, pipelined Down (down_nb column blocks per program)
         variants += [(f"v1_nb{nb}_st{st}", dict(variant="v1", down_nb=nb, down_num_stages=st))
-                     for nb, st in [(2, 2), (4, 2), (4, 3), (8, 2), (8, 3), (12, 3)]]
+                     for nb, st in [(4, 3), (8, 3), (12, 3)]]
+        # operand types of Gate/Up and the wide Down (FP16 defaults since session 10; BF16 before)
+        variants += [("v1_bf16", dict(variant="v1", gu_f16=False, down_f16=False)),
+                     ("v1_gu16_downbf16", dict(variant="v1", gu_f16=True, down_f16=False)),
+                     ("v1_f16_nb4", dict(variant="v1", down_nb=4)),
+                     ("v1_f16_nb12", dict(variant="v1", down_nb=12)),
+                     ("v1_f16_down2st", dict(variant="v1", down_num_stages=2)),
+                     ("v1_f16_down4st", dict(variant="v1", down_num_stages=4))]
         if sweep and distinct == MOE["realistic"]:
             variants += [(f"gu{a}_down{b}", dict(variant="v1", gu_num_stages=a, down_num_stages=b))
                          for a, b in [(3, 2), (6, 2), (4, 3)]]
@@ -261,7 +276,7 @@ def bench_moe(copy_bw, l2, sweep):
         dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
         step_bytes = dict(gate_up=gu_bytes, down=dn_bytes + P * H * 4, reduce=P * H * 4 + w * H * 2,
                           down_reduce=dn_bytes + w * H * 2)
-        for var, vkw in (("v1", {}), ("v2", {}), ("v1_nb4", dict(down_nb=4)), ("v1_nb8", dict(down_nb=8))):
+        for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False))):
             plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var[:2], **vkw)[1] for x, ids, tw, wt, o in data]
             for plan in plans:  # fill the intermediate buffers (activations, group table) once
                 for _, launch in plan:

@@ -67,6 +67,10 @@ GU_BLOCK_N = 32
 GU_BLOCK_K = 128
 GU_NUM_STAGES = 4
 GU_NUM_WARPS = 4
+# FP16 tensor-core operands in v1 Gate/Up (keyword gu_f16): E4M3 -> FP16 is one packed conversion
+# per two weights, E4M3 -> BF16 several; x is converted to FP16 per tile (post-norm hidden states lie
+# within +-65504). H200, 38 experts: Gate/Up 62.9 -> 42.7 us (experiments/notes/kernels.md).
+GU_F16 = True
 # Down: 128 output columns x 256 inputs = 32 KiB of E4M3 per program, about 1,800 programs.
 DOWN_BLOCK_N = 128
 DOWN_BLOCK_K = 128
@@ -76,6 +80,10 @@ DOWN_NUM_WARPS = 4
 # kernel, fewer and longer programs; used where I <= 256). Measured on the H200
 # (experiments/notes/kernels.md): whole MoE 124.3 us (1) -> 100.4 us (8, 3 stages) at 38 experts.
 DOWN_NB = 8
+# FP16 operands in the wide Down (keyword down_f16): E4M3 weights -> FP16 in one conversion per two;
+# the activations are divided by their pair's largest block scale (|a| <= 448) and the product is
+# multiplied back.
+DOWN_F16 = True
 DOWN_WIDE_NUM_STAGES = 3
 RED_BLOCK_H = 1024
 
@@ -156,12 +164,17 @@ def _e4m3_bits(a):
 
 
 @triton.jit
-def _act_tile(ACT, ACT_SCALE, pair, row_ok, kk, I, stride_am, stride_asm, ACT_BLOCK: tl.constexpr):
-    """The group's E4M3 activations at columns ``kk`` (rows ``pair``), dequantised to BF16."""
+def _act_tile(ACT, ACT_SCALE, pair, row_ok, kk, I, stride_am, stride_asm, ACT_BLOCK: tl.constexpr,
+              row_scale=None, F16: tl.constexpr = False):
+    """The group's E4M3 activations at columns ``kk`` (rows ``pair``), dequantised to BF16, or with
+    ``F16`` to FP16 divided by ``row_scale`` [BLOCK_M] (each pair's largest block scale, so that
+    |value| <= 448 fits FP16; the caller multiplies the product back)."""
     a_ok = row_ok[:, None] & (kk < I)[None, :]
     a8 = tl.load(ACT + pair[:, None] * stride_am + kk[None, :], mask=a_ok, other=0.0)
     sa = tl.load(ACT_SCALE + pair[:, None] * stride_asm + (kk // ACT_BLOCK)[None, :], mask=a_ok, other=0.0)
-    return (a8.to(tl.float32) * sa).to(tl.bfloat16)
+    if F16:
+        sa = sa / row_scale[:, None]
+    return (a8.to(tl.float32) * sa).to(tl.float16 if F16 else tl.bfloat16)
 
 
 @triton.jit
@@ -183,11 +196,12 @@ def _moe_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_am, stride_asm, P,
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_BUG: tl.constexpr,
+    SCALE_BUG: tl.constexpr, F16: tl.constexpr = False,
 ):
     g = tl.program_id(0)
     nb = tl.program_id(1)
     expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
+    op_ty = tl.float16 if F16 else tl.bfloat16
     if g < n_groups:
         tok = pair // TOPK
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,8 +226,9 @@ def _moe_gate_up_kernel(
                 kb = (kb + 1) % N_KB
             sg = tl.load(s_g + kb * stride_sk, mask=n_ok, other=0.0)
             su = tl.load(s_u + kb * stride_sk, mask=n_ok, other=0.0)
-            acc_g += tl.dot(x, tl.trans(wg.to(tl.bfloat16))) * sg[None, :]
-            acc_u += tl.dot(x, tl.trans(wu.to(tl.bfloat16))) * su[None, :]
+            x = x.to(op_ty)
+            acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
+            acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
         ok = row_ok[:, None] & n_ok[None, :]
         bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
         tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
@@ -259,6 +274,7 @@ def _moe_down_wide_kernel(
     H: tl.constexpr, I: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
+    F16: tl.constexpr = False,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
@@ -272,8 +288,17 @@ def _moe_down_wide_kernel(
         k1 = 128 + offs_k
         k0_ok = offs_k < I
         k1_ok = k1 < I
-        a0 = _act_tile(ACT, ACT_SCALE, pair, row_ok, offs_k, I, stride_am, stride_asm, ACT_BLOCK)
-        a1 = _act_tile(ACT, ACT_SCALE, pair, row_ok, k1, I, stride_am, stride_asm, ACT_BLOCK)
+        op_ty = tl.float16 if F16 else tl.bfloat16
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+        if F16:   # each pair's largest activation block scale (I <= 256: at most 8 blocks of 32)
+            offs_b = tl.arange(0, 256 // ACT_BLOCK)
+            b_ok = row_ok[:, None] & (offs_b < tl.cdiv(I, ACT_BLOCK))[None, :]
+            sab = tl.load(ACT_SCALE + pair[:, None] * stride_asm + offs_b[None, :], mask=b_ok, other=0.0)
+            row_scale = tl.maximum(tl.max(sab, 1), 1e-30)
+        a0 = _act_tile(ACT, ACT_SCALE, pair, row_ok, offs_k, I, stride_am, stride_asm, ACT_BLOCK,
+                       row_scale, F16)
+        a1 = _act_tile(ACT, ACT_SCALE, pair, row_ok, k1, I, stride_am, stride_asm, ACT_BLOCK,
+                       row_scale, F16)
         kb0 = 0
         kb1 = 1
         if SCALE_BUG:
@@ -288,11 +313,13 @@ def _moe_down_wide_kernel(
             s_ptr = s_base + (offs_n // 128) * stride_sn
             w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k0_ok[None, :], other=0.0)
             sw0 = tl.load(s_ptr + kb0 * stride_sk, mask=n_ok, other=0.0)
-            acc = tl.dot(a0, tl.trans(w0.to(tl.bfloat16))) * sw0[None, :]
+            acc = tl.dot(a0, tl.trans(w0.to(op_ty))) * sw0[None, :]
             if I > 128:
                 w1 = tl.load(w_ptr + k1[None, :], mask=n_ok[:, None] & k1_ok[None, :], other=0.0)
                 sw1 = tl.load(s_ptr + kb1 * stride_sk, mask=n_ok, other=0.0)
-                acc += tl.dot(a1, tl.trans(w1.to(tl.bfloat16))) * sw1[None, :]
+                acc += tl.dot(a1, tl.trans(w1.to(op_ty))) * sw1[None, :]
+            if F16:
+                acc = acc * row_scale[:, None]
             tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], acc,
                      mask=row_ok[:, None] & n_ok[None, :])
 
@@ -489,7 +516,7 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     return w, H, E, I, topk_ids.shape[1]
 
 
-def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False):
+def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, GU_BLOCK_N))
     H = x.shape[1]
@@ -499,7 +526,8 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         act.stride(0), act_scale.stride(0), P,
         H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=GU_BLOCK_N, BLOCK_K=GU_BLOCK_K,
-        SCALE_BUG=scale_bug, num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
+        SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16),
+        num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
     )
 
 
@@ -517,7 +545,7 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
     )
 
 
-def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False):
+def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256)."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
@@ -528,7 +556,7 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         H=H, I=I, N_KB=s2.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
         ACT_BLOCK=GU_BLOCK_N, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
-        num_warps=DOWN_NUM_WARPS,
+        F16=DOWN_F16 if f16 is None else bool(f16), num_warps=DOWN_NUM_WARPS,
     )
 
 
@@ -583,7 +611,8 @@ def counters_size(w, H, I, E, topk=8):
 
 def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=None,
              gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
-             counters=None, gu_maxnreg=None, down_nb=None, _scale_bug=False, _drop_split=False):
+             counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, _scale_bug=False,
+             _drop_split=False):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -610,12 +639,12 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         y = torch.empty((P, H), device=dev, dtype=torch.float32)
         steps = [
             ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
-                                                num_stages=gu_num_stages, scale_bug=_scale_bug)),
+                                                num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
-                                        num_stages=down_num_stages, scale_bug=_scale_bug))),
+                                        num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16))),
             ("reduce", lambda: _launch_reduce(y, tw, out)),
         ]
         return out, steps
@@ -646,7 +675,8 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
 
 def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _scale_bug=False,
                   gu_num_stages=None, down_num_stages=None, variant=None, gu_split_k=None,
-                  down_split_e=None, counters=None, gu_maxnreg=None, down_nb=None, _drop_split=False):
+                  down_split_e=None, counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None,
+                  down_f16=None, _drop_split=False):
     """out[r] = sum_k topk_weights[r, k] * Down_e(SiLU(Gate_e x_r) * Up_e x_r), e = topk_ids[r, k].
 
     x [w, H] bf16; topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
@@ -658,15 +688,16 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _sca
     ``down_split_e`` (DOWN2_SPLIT_E), ``counters`` (a persistent int32 zero buffer of
     ``counters_size(...)`` entries, left zero by each call; otherwise one is zeroed per call),
     ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
-    v1 option: ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
-    pipelined wide Down kernel).
+    v1 options: ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
+    pipelined wide Down kernel); ``gu_f16`` / ``down_f16`` (FP16 instead of BF16 operands in Gate/Up /
+    in the wide Down; defaults GU_F16 / DOWN_F16).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction.
     """
     out, steps = moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out, variant=variant,
                           gu_num_stages=gu_num_stages, down_num_stages=down_num_stages,
                           gu_split_k=gu_split_k, down_split_e=down_split_e, counters=counters,
-                          gu_maxnreg=gu_maxnreg, down_nb=down_nb,
+                          gu_maxnreg=gu_maxnreg, down_nb=down_nb, gu_f16=gu_f16, down_f16=down_f16,
                           _scale_bug=_scale_bug, _drop_split=_drop_split)
     for _, launch in steps:
         launch()

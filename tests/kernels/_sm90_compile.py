@@ -62,6 +62,8 @@ def _launch_everything(A, M, Nm, S):
             q = torch.randn(w, 6, d).to(bf)
             k = torch.randn(1, window + 64, d).to(bf)
             sp = torch.tensor(5, dtype=torch.int32)
+            A._launch(q, k, k, sp, torch.zeros(6), None, ring=False, window=0, num_splits=132,
+                      variant="v1", combine_block_s=32)     # the combine's loop over split chunks
             for variant in A.VARIANTS:
                 A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132, variant=variant)
                 A.decode_attention_ring(q, k, k, sp, torch.zeros(6), window, num_splits=132,
@@ -79,6 +81,9 @@ def _launch_everything(A, M, Nm, S):
             for nb, st in ((4, 2), (8, 3)):
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, down_nb=nb,
                                 down_num_stages=st)
+            for f16, nb in ((False, 1), (False, 8), (True, 8)):   # BF16 / FP16 operands; v1 Down
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug,
+                                gu_f16=f16, down_f16=f16, down_nb=nb)
         for rdt in (bf, torch.float32):
             x = torch.randn(8, H).to(bf)
             Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6)

@@ -154,6 +154,19 @@ def test_mini(w, start, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cd,cs", [(32, 256), (64, 64), (64, 256), (128, 16)])
+@pytest.mark.parametrize("w,ctx", [(4, 1), (6, 65536), (8, 196608), (5, 4096 * 3 + 17)])
+def test_full_q1_combine_tiles(cd, cs, w, ctx):
+    """v1 combine with other head-dim slices / splits per load (incl. all splits at once)."""
+    A = load_kernels("attention")
+    kw = dict(variant="v1", combine_block_d=cd, combine_block_s=cs)
+    assert run_full(A, Q1, w, ctx, seed=ctx + w + cd, **kw) < TOL
+    assert run_ring(A, Q1, w, ctx + 4160, seed=ctx + w + cs, **kw) < TOL
+    no_sink = torch.full((Q1["nh"],), float("-inf"), device="cuda")
+    assert run_full(A, Q1, w, ctx + 5000, seed=1, sinks_override=no_sink, **kw) > TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
 @pytest.mark.parametrize("variant", ["v1", "fused"])
 def test_negative_controls(shape, variant):
@@ -233,6 +246,16 @@ def test_interp_full_mini(w, start, splits):
 def test_interp_ring_mini(w, start):
     A = load_kernels("attention")
     assert run_ring(A, MINI, w, start, seed=start + w, num_splits=3) < TOL
+
+
+@cpu_only
+@pytest.mark.parametrize("cd,cs", [(64, 16), (16, 64)])
+def test_interp_combine_tiles(cd, cs):
+    A = load_kernels("attention")
+    kw = dict(num_splits=5, combine_block_d=cd, combine_block_s=cs)
+    assert run_full(A, MINI, 6, 900, seed=cd + cs, **kw) < TOL
+    no_sink = torch.full((MINI["nh"],), float("-inf"))
+    assert run_full(A, MINI, 6, 900, seed=cd + cs, sinks_override=no_sink, **kw) > TOL
 
 
 @cpu_only

@@ -104,6 +104,19 @@ def test_q1_shard(w, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gu,down", [(True, False), (False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
+def test_q1_shard_operand_types(w, kind, gu, down):
+    """FP16 or BF16 operands in Gate/Up (gu_f16) and the wide Down (down_f16); the negative control
+    reads the wrong scale block."""
+    M = load_kernels("moe")
+    kw = dict(gu_f16=gu, down_f16=down, down_nb=8)
+    errs = run_case(M, Q1, w, kind, seed=300 + w, weights=_q1_weights(), **kw)
+    assert _ok(errs), errs
+    assert _rejected(run_case(M, Q1, w, kind, seed=301 + w, weights=_q1_weights(), _scale_bug=True, **kw))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 8])
 @pytest.mark.parametrize("kind", ["random", "shared"])
 def test_mini(w, kind):
@@ -165,13 +178,14 @@ def test_q1_shard_wide_down(w, kind, nb):
 @pytest.mark.gpu
 def test_wide_down_matches_v1_and_rejects_scale_bug():
     """Same products per output column as v1's Down; only the MMA's internal summation order may
-    differ (the H200 showed differences in the last BF16 bit, not bit-identical output)."""
+    differ (the H200 showed differences in the last BF16 bit, not bit-identical output). Both with
+    BF16 operands (v1's Down has no FP16 form); FP16 is checked against the reference elsewhere."""
     M = load_kernels("moe")
     w13, s13, w2, s2 = _q1_weights()
     x = torch.randn(6, Q1["H"], device="cuda").to(torch.bfloat16)
     ids, tw = make_routing(6, Q1["E"], "shared", 3)
     a = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=1)
-    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=4)
+    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=4, down_f16=False)
     assert rel_err(b, a) < 2e-3
     assert _rejected(run_case(M, Q1, 6, "shared", seed=5, weights=_q1_weights(), down_nb=4, _scale_bug=True))
 
@@ -194,6 +208,16 @@ def test_interp_mini_wide_down(nb, w, kind):
     M = load_kernels("moe")
     assert _ok(run_case(M, MINI, w, kind, seed=w, down_nb=nb))
     assert _rejected(run_case(M, MINI_K, w, kind, seed=5, down_nb=nb, _scale_bug=True))
+
+
+@cpu_only
+@pytest.mark.parametrize("w,kind", [(5, "random"), (8, "shared")])
+def test_interp_mini_operand_types(w, kind):
+    M = load_kernels("moe")
+    for gu, down in ((True, True), (False, False)):
+        kw = dict(gu_f16=gu, down_f16=down, down_nb=2)
+        assert _ok(run_case(M, MINI, w, kind, seed=w, **kw))
+        assert _rejected(run_case(M, MINI_K, w, kind, seed=5, _scale_bug=True, **kw))
 
 
 @cpu_only
