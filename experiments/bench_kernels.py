@@ -136,9 +136,12 @@ def bench_attention(copy_bw, l2, sweep):
     every_shape = {"default", "v1", "fused"}
     configs = [("default", {}), ("v1", dict(variant="v1")), ("fused", dict(variant="fused"))]
     # v1 combine tiles (head-dim columns x splits per load), at the long contexts, every width
-    long_only = {f"v1_cd{cd}_cs{cs}" for cd, cs in [(32, 256), (64, 64), (64, 256), (128, 32)]}
+    tiles = [(32, 32), (64, 256)]
+    long_only = {f"v1_cd{cd}_cs{cs}" for cd, cs in tiles} | {"v1_spl198", "v1_st3", "v1_st5"}
     configs += [(f"v1_cd{cd}_cs{cs}", dict(variant="v1", combine_block_d=cd, combine_block_s=cs))
-                for cd, cs in [(32, 256), (64, 64), (64, 256), (128, 32)]]
+                for cd, cs in tiles]
+    configs += [("v1_spl198", dict(variant="v1", num_splits=198)),
+                ("v1_st3", dict(variant="v1", num_stages=3)), ("v1_st5", dict(variant="v1", num_stages=5))]
     if sweep:
         configs += [(f"bn{bn}_st{st}_w{nw}_spm{spm}",
                      dict(block_n=bn, num_stages=st, num_warps=nw, num_splits=spm * A_SMS[0]))
@@ -249,10 +252,13 @@ def bench_moe(copy_bw, l2, sweep):
         # operand types of Gate/Up and the wide Down (FP16 defaults since session 10; BF16 before)
         variants += [("v1_bf16", dict(variant="v1", gu_f16=False, down_f16=False)),
                      ("v1_gu16_downbf16", dict(variant="v1", gu_f16=True, down_f16=False)),
-                     ("v1_f16_nb4", dict(variant="v1", down_nb=4)),
+                     ("v1_f16_nb6", dict(variant="v1", down_nb=6)),
                      ("v1_f16_nb12", dict(variant="v1", down_nb=12)),
-                     ("v1_f16_down2st", dict(variant="v1", down_num_stages=2)),
-                     ("v1_f16_down4st", dict(variant="v1", down_num_stages=4))]
+                     ("v1_f16_nb16", dict(variant="v1", down_nb=16)),
+                     ("v1_f16_nb16_st4", dict(variant="v1", down_nb=16, down_num_stages=4)),
+                     ("v1_f16_nb24", dict(variant="v1", down_nb=24)),
+                     ("v1_f16_gu3", dict(variant="v1", gu_num_stages=3)),
+                     ("v1_f16_gu6", dict(variant="v1", gu_num_stages=6))]
         if sweep and distinct == MOE["realistic"]:
             variants += [(f"gu{a}_down{b}", dict(variant="v1", gu_num_stages=a, down_num_stages=b))
                          for a, b in [(3, 2), (6, 2), (4, 3)]]
