@@ -37,6 +37,8 @@ REQUEST_COLUMNS = {
     "request_id": "str", "arm": "str", "rep": "int", "context_len": "int", "order": "int",
     "n_steps": "int", "n_tokens": "int", "tokens_sha": "str", "decode_ns": "int",
 }
+# Columns a run may lack (written by later revisions of the harness); checked when present.
+OPTIONAL_REQUEST_COLUMNS = {"cpu_ns": "int"}   # the decoding thread's CPU time (-1: not measured)
 MANIFEST_KEYS = ("run_id", "arms", "status")
 DECODE_KEY = ["request_id", "arm", "rep"]
 
@@ -198,8 +200,12 @@ def read_run(run_dir: str | Path, tokens: bool = False, allow_corrupt: bool = Fa
     problems: list[str] = []
     step_cols = [c for c in STEP_COLUMNS if tokens or c != "tokens"]
     steps = _read_parts(run_dir / "steps", STEP_COLUMNS, step_cols, allow_corrupt, problems)
-    requests = _read_parts(run_dir / "requests", REQUEST_COLUMNS, list(REQUEST_COLUMNS),
-                           allow_corrupt, problems)
+    requests = _read_parts(run_dir / "requests", REQUEST_COLUMNS,
+                           list(REQUEST_COLUMNS) + list(OPTIONAL_REQUEST_COLUMNS), allow_corrupt, problems)
+    if "cpu_ns" in requests.columns:   # parts written before the column existed (a resumed run)
+        requests["cpu_ns"] = requests["cpu_ns"].fillna(-1).astype("int64")
+    _check_columns(requests, {k: v for k, v in OPTIONAL_REQUEST_COLUMNS.items() if k in requests.columns},
+                   run_dir / "requests")
     steps = steps.astype({"request_id": object, "arm": object})
     requests = requests.astype({"request_id": object, "arm": object, "tokens_sha": object})
     validate_steps(steps, f"{run_dir}/steps")

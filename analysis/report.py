@@ -306,6 +306,13 @@ def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
     if be["n_differing"]:
         lines.append("first differing requests: " + ", ".join(map(str, be["differing"][:20])))
     B += [("h", 2, "Bit-exactness (identical token sequences)"), ("ul", lines)]
+    host = getattr(a, "host", None)
+    if host:
+        by_arm = ", ".join(f"{k} {v}" for k, v in host["contended_by_arm"].items())
+        B += [("h", 2, "Host contention (CPU runs)"),
+              ("ul", [f"decodes with less than {round(100 * host['threshold'])}% of a core (thread CPU "
+                      f"time / wall time): {host['contended']}/{host['n_decodes']} ({by_arm})",
+                      f"CPU time / wall time: median {host['median_ratio']:.3f}, lowest {host['min_ratio']:.3f}"])]
     drows = []
     for key, sl in a.drift.items():
         drows.append([key, sl.y, f"{stats.pct(sl.total):+.3f}%",

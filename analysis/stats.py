@@ -410,6 +410,7 @@ class Analysis:
     decodes: pd.DataFrame
     settings: dict
     n_unpaired: int = 0                      # requests left out: no decode of control or candidate
+    host: dict | None = None                 # host contention (see host_contention); None: not measured
 
     def to_dict(self) -> dict:
         return {
@@ -422,8 +423,29 @@ class Analysis:
             "drift": {k: v.to_dict() for k, v in self.drift.items()},
             "context_slope": self.context_slope.to_dict() if self.context_slope else None,
             "context_bins": self.context_bins.to_dict(orient="records"),
-            "settings": self.settings,
+            "settings": self.settings, "host": self.host,
         }
+
+
+HOST_SHARE_MIN = 0.9   # a CPU decode whose thread ran less than this share of its wall time waited for a core
+
+
+def host_contention(requests: pd.DataFrame, manifest: dict, threshold: float = HOST_SHARE_MIN) -> dict | None:
+    """How many decodes shared their core with another process, from each decode's thread CPU time
+    over its wall time (``cpu_ns / decode_ns``; 1.0 when the decode had a core to itself). Only for
+    runs whose arms all decode on the CPU (on a GPU the host thread may legitimately sleep in a
+    synchronisation) and that recorded ``cpu_ns``; otherwise None."""
+    devices = {str(a.get("device", "")) for a in (manifest.get("arms") or {}).values()}
+    if "cpu_ns" not in requests.columns or devices != {"cpu"}:
+        return None
+    r = requests[(requests["cpu_ns"] >= 0) & (requests["decode_ns"] > 0)]
+    if not len(r):
+        return None
+    ratio = r["cpu_ns"] / r["decode_ns"]
+    low = ratio < threshold
+    return {"n_decodes": int(len(r)), "contended": int(low.sum()), "share": float(low.mean()),
+            "median_ratio": float(ratio.median()), "min_ratio": float(ratio.min()), "threshold": threshold,
+            "contended_by_arm": {str(k): int(v) for k, v in low.groupby(r["arm"]).sum().items()}}
 
 
 def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,
@@ -505,4 +527,5 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         decodes=decodes, settings={"level": level, "n_boot": n_boot, "seed": seed,
                                    "method": method, "alpha": alpha, "widen": widen},
         n_unpaired=int(req["request_id"].nunique() - len(cand)),
+        host=host_contention(run.requests, run.manifest),
     )

@@ -28,6 +28,10 @@ Flags, evaluated whatever the call:
   measurement path the A/A arm cannot rule out could explain half the effect or more.
 - ``not_bit_exact``: the manifest says ``expect_bit_exact`` and at least one request's candidate
   (or A/A) token sequence differs from control's.
+- ``host_contention``: a CPU run where more than ``host_fraction`` (5%) of the decodes got less
+  than 90% of a core (thread CPU time / wall time, ``analysis.stats.host_contention``): another
+  process competed for the CPU while the clock ran, so the timings carry its load (in session 9 a
+  compile beside a CPU calibration made 2 of 16 A/A runs "faster"). Timings are still reported.
 - ``no_aa_arm``: the run has no A/A arm, so the A/A rules could not be applied.
 - ``incomplete_run``: the manifest status is not ``complete``.
 
@@ -45,6 +49,7 @@ from analysis.stats import Analysis, Effect, pct
 ALPHA = 0.05
 AA_FRACTION = 0.5
 MIN_REQUESTS = 10
+HOST_FRACTION = 0.05   # host_contention: largest share of CPU decodes allowed below 90% of a core
 CALLS = ("faster", "slower", "inconclusive", "unstable", "insufficient")
 MINUS = "\u2212"
 
@@ -104,7 +109,7 @@ def _speed(e: Effect) -> str:
 
 
 def decide(a: Analysis, manifest: dict, alpha: float = ALPHA, aa_fraction: float = AA_FRACTION,
-           min_requests: int = MIN_REQUESTS) -> Verdict:
+           min_requests: int = MIN_REQUESTS, host_fraction: float = HOST_FRACTION) -> Verdict:
     level_pct = f"{round(100 * a.settings.get('level', 0.95))}% CI"
     tpot, tps, step = a.effects["tpot"], a.effects["tps"], a.effects["step"]
     aa = a.aa.get("tpot")
@@ -166,6 +171,15 @@ def decide(a: Analysis, manifest: dict, alpha: float = ALPHA, aa_fraction: float
             reasons.append(f"A/A bound {pct(aa_bound(aa)):.2f}% > {aa_fraction} x |effect| "
                            f"{aa_fraction * abs(tpot.pct):.2f}%")
         parts.append(text)
+
+    host = getattr(a, "host", None)
+    if host and host["share"] > host_fraction:
+        flags.append("host_contention")
+        parts.append(f"HOST CONTENTION: {host['contended']}/{host['n_decodes']} decodes ran on less than "
+                     f"{round(100 * host['threshold'])}% of a core (another process took the CPU); "
+                     "rerun on a quiet machine")
+        reasons.append(f"{100 * host['share']:.1f}% of decodes had thread CPU time / wall time < "
+                       f"{host['threshold']} (> {100 * host_fraction:.0f}% allowed)")
 
     status = manifest.get("status", "complete")
     if status != "complete":

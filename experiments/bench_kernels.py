@@ -252,13 +252,10 @@ def bench_moe(copy_bw, l2, sweep):
         # operand types of Gate/Up and the wide Down (FP16 defaults since session 10; BF16 before)
         variants += [("v1_bf16", dict(variant="v1", gu_f16=False, down_f16=False)),
                      ("v1_gu16_downbf16", dict(variant="v1", gu_f16=True, down_f16=False)),
-                     ("v1_f16_nb6", dict(variant="v1", down_nb=6)),
                      ("v1_f16_nb12", dict(variant="v1", down_nb=12)),
-                     ("v1_f16_nb16", dict(variant="v1", down_nb=16)),
                      ("v1_f16_nb16_st4", dict(variant="v1", down_nb=16, down_num_stages=4)),
-                     ("v1_f16_nb24", dict(variant="v1", down_nb=24)),
-                     ("v1_f16_gu3", dict(variant="v1", gu_num_stages=3)),
-                     ("v1_f16_gu6", dict(variant="v1", gu_num_stages=6))]
+                     ("v1_gubn16", dict(variant="v1", gu_block_n=16)),
+                     ("v1_gubn64", dict(variant="v1", gu_block_n=64))]
         if sweep and distinct == MOE["realistic"]:
             variants += [(f"gu{a}_down{b}", dict(variant="v1", gu_num_stages=a, down_num_stages=b))
                          for a, b in [(3, 2), (6, 2), (4, 3)]]
@@ -282,7 +279,8 @@ def bench_moe(copy_bw, l2, sweep):
         dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
         step_bytes = dict(gate_up=gu_bytes, down=dn_bytes + P * H * 4, reduce=P * H * 4 + w * H * 2,
                           down_reduce=dn_bytes + w * H * 2)
-        for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False))):
+        for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False)),
+                         ("v1_gubn16", dict(gu_block_n=16))):
             plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var[:2], **vkw)[1] for x, ids, tw, wt, o in data]
             for plan in plans:  # fill the intermediate buffers (activations, group table) once
                 for _, launch in plan:

@@ -114,6 +114,8 @@ def analyse(s: dict, scenario: str, i: int, run_dir: Path) -> dict:
         "aa_covered": aa.ci[0] <= 0.0 <= aa.ci[1],
         "tps_mean_log": a.effects["tps"].mean, "tps_p": a.effects["tps"].p,
         "call": v.call, "flags": ",".join(v.flags), "headline": v.headline, "run_dir": str(run_dir),
+        # share of decodes that got < 90% of a core (nan: not recorded, i.e. a revision before it)
+        "host_contended": a.host["share"] if a.host else float("nan"),
     }
 
 

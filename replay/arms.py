@@ -253,8 +253,11 @@ class Arm:
         diff = None
         if r.diff is not None and run_dir is not None:
             diff = f"diffs/{self.label}.diff"   # relative to the run directory
-        return {"rev": r.rev, "sha": r.sha, "key": r.key, "dirty_diff": diff, "module": self.module,
-                "overrides": self.overrides, "root": str(r.root)}
+        rec = {"rev": r.rev, "sha": r.sha, "key": r.key, "dirty_diff": diff, "module": self.module,
+               "overrides": self.overrides, "root": str(r.root)}
+        if getattr(self, "engine", None) is not None:
+            rec["device"] = str(self.engine.device)
+        return rec
 
 
 def module_name(label: str, revision: Revision) -> str:

@@ -647,13 +647,15 @@ def _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress) -> i
             gc.collect()
             gc.disable()     # no collector pauses inside a timed decode
             try:
+                c_call = time.thread_time_ns()
                 t_call = time.perf_counter_ns()
                 gen = arm.engine.decode(rnd, st)
                 decode_ns = time.perf_counter_ns() - t_call
+                cpu_ns = time.thread_time_ns() - c_call   # < decode_ns: the thread waited for a core
             finally:
                 gc.enable()
             rows, req = rawout.decode_rows(gen, d.request_id, d.arm, d.rep, d.order, ctx[d.request_id],
-                                           warmup, t_call, decode_ns)
+                                           warmup, t_call, decode_ns, cpu_ns)
             writer.add(rows, req)
             del rnd, st, gen
             n += 1

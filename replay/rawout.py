@@ -39,7 +39,7 @@ STEP_COLUMNS = {"request_id": "string", "arm": "string", "rep": "int64", "order"
                 "tokens": "list<int64>", "t_start_ns": "int64", "t_end_ns": "int64", "warmup": "bool"}
 REQUEST_COLUMNS = {"request_id": "string", "arm": "string", "rep": "int64", "context_len": "int64",
                    "order": "int64", "n_steps": "int64", "n_tokens": "int64", "tokens_sha": "string",
-                   "decode_ns": "int64"}
+                   "decode_ns": "int64", "cpu_ns": "int64"}
 
 
 def _schema(columns: dict):
@@ -57,12 +57,14 @@ CLOCK_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
 
 def decode_rows(gen, request_id: str, arm: str, rep: int, order: int, context_len: int,
-                warmup_steps: int, t_call_ns: int, decode_ns: int) -> tuple[list[dict], dict]:
+                warmup_steps: int, t_call_ns: int, decode_ns: int,
+                cpu_ns: int = -1) -> tuple[list[dict], dict]:
     """Step rows and the request row of one decode from the arm's ``Generation``.
 
     ``gen.step_t0_ns`` (perf_counter_ns at each step's start) is used when the arm records it; an
     older revision's Generation has only durations, and the starts are then laid end to end from
-    ``t_call_ns`` (the perf_counter_ns just before ``decode`` was called)."""
+    ``t_call_ns`` (the perf_counter_ns just before ``decode`` was called). ``cpu_ns``: the decoding
+    thread's CPU time over the decode (-1: not measured)."""
     steps, durs = gen.steps, list(gen.step_ns)
     if len(durs) != len(steps):
         raise ValueError(f"{arm}/{request_id}: {len(steps)} steps in the result log but "
@@ -81,7 +83,7 @@ def decode_rows(gen, request_id: str, arm: str, rep: int, order: int, context_le
                      "t_end_ns": start + int(dt), "warmup": int(s["step"]) < warmup_steps})
     req = {"request_id": request_id, "arm": arm, "rep": rep, "context_len": int(context_len),
            "order": order, "n_steps": len(rows), "n_tokens": int(sum(r["emitted"] for r in rows)),
-           "tokens_sha": tokens_sha(gen.tokens), "decode_ns": int(decode_ns)}
+           "tokens_sha": tokens_sha(gen.tokens), "decode_ns": int(decode_ns), "cpu_ns": int(cpu_ns)}
     return rows, req
 
 

@@ -191,6 +191,10 @@ def test_candidate_change_is_detected_and_aa_matches_control(env):
         assert by[(rid, "control")] == by[(rid, "aa")] == by[(rid, "candidate")]
     assert (run_dir / "report" / "report.md").is_file()
     assert "verdict:" in p.out and "TPOT ms" in p.out
+    # host contention: every arm decodes on the CPU, each decode's thread CPU time is recorded
+    assert {a["device"] for a in arms.values()} == {"cpu"}
+    assert (req["cpu_ns"] > 0).all() and (req["cpu_ns"] <= 1.05 * req["decode_ns"]).all()
+    assert "Host contention (CPU runs)" in (run_dir / "report" / "report.md").read_text()
 
 
 def test_reformat_only_is_refused_as_ineffective(env):

@@ -213,3 +213,38 @@ def test_aa_false_positive_rate():
 
 def test_false_positive_negative_control_step_level_fails():
     assert false_positive_rate(step_level_call, n=40) > 0.075
+
+
+# ------------------------------------------------------------------------------ host contention
+
+def _host_requests(n=60, contended=0, ratio=0.5):
+    """Request rows of a CPU run: every decode had 98% of a core except ``contended`` at ``ratio``."""
+    arms = ["control", "candidate", "aa"] * (n // 3)
+    dec = [10_000_000] * n
+    cpu = [int(d * (ratio if i < contended else 0.98)) for i, d in enumerate(dec)]
+    return pd.DataFrame({"arm": arms, "decode_ns": dec, "cpu_ns": cpu})
+
+
+CPU_MANIFEST = dict(MANIFEST, arms={a: {"device": "cpu"} for a in ("control", "candidate", "aa")})
+
+
+def test_host_contention_flag_and_its_scope():
+    quiet = stats.host_contention(_host_requests(contended=2), CPU_MANIFEST)      # 3.3% <= 5%
+    busy = stats.host_contention(_host_requests(contended=6), CPU_MANIFEST)       # 10% > 5%
+    assert quiet["contended"] == 2 and busy["contended"] == 6 and busy["n_decodes"] == 60
+    assert abs(busy["median_ratio"] - 0.98) < 1e-9 and busy["min_ratio"] == 0.5
+    assert sum(busy["contended_by_arm"].values()) == 6
+    v_quiet = verdict.decide(dataclasses.replace(hand_built(), host=quiet), CPU_MANIFEST)
+    v_busy = verdict.decide(dataclasses.replace(hand_built(), host=busy), CPU_MANIFEST)
+    assert "host_contention" not in v_quiet.flags
+    assert "host_contention" in v_busy.flags and "HOST CONTENTION: 6/60 decodes" in v_busy.headline
+    assert v_busy.call == v_quiet.call == "faster"          # reported, not a refusal
+    # negative control: a verdict that ignores the host record misses the busy run
+    assert "host_contention" not in verdict.decide(hand_built(), CPU_MANIFEST).flags
+    # out of scope: GPU arms (the host thread may sleep in a synchronisation), unmeasured decodes,
+    # runs written before the column existed
+    gpu = dict(MANIFEST, arms={a: {"device": "cuda:0"} for a in ("control", "candidate")})
+    assert stats.host_contention(_host_requests(contended=30), gpu) is None
+    unmeasured = _host_requests(contended=30).assign(cpu_ns=-1)
+    assert stats.host_contention(unmeasured, CPU_MANIFEST) is None
+    assert stats.host_contention(_host_requests().drop(columns="cpu_ns"), CPU_MANIFEST) is None

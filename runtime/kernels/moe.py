@@ -516,22 +516,23 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     return w, H, E, I, topk_ids.shape[1]
 
 
-def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None):
+def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
+                    block_n=GU_BLOCK_N):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch)."""
-    grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, GU_BLOCK_N))
+    grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
     _moe_gate_up_kernel[grid](
         x, ids, w13, s13, act.view(torch.uint8), act_scale,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
         act.stride(0), act_scale.stride(0), P,
         H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
-        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=GU_BLOCK_N, BLOCK_K=GU_BLOCK_K,
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=block_n, BLOCK_K=GU_BLOCK_K,
         SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16),
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
     )
 
 
-def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bug=False):
+def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bug=False, act_block=GU_BLOCK_N):
     """v1 Down: per-pair FP32 results y [P, H] (one launch)."""
     E, H, I = w2.shape
     _moe_down_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N))](
@@ -540,12 +541,13 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
         s2.stride(2), y.stride(0), P,
         H=H, I=I, N_KB=s2.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K,
-        ACT_BLOCK=GU_BLOCK_N, SCALE_BUG=scale_bug,
+        ACT_BLOCK=act_block, SCALE_BUG=scale_bug,
         num_warps=DOWN_NUM_WARPS, num_stages=num_stages or DOWN_NUM_STAGES,
     )
 
 
-def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None):
+def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
+                      act_block=GU_BLOCK_N):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256)."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
@@ -555,7 +557,7 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         s2.stride(2), y.stride(0), P,
         H=H, I=I, N_KB=s2.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
-        ACT_BLOCK=GU_BLOCK_N, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
+        ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
         F16=DOWN_F16 if f16 is None else bool(f16), num_warps=DOWN_NUM_WARPS,
     )
 
@@ -611,8 +613,8 @@ def counters_size(w, H, I, E, topk=8):
 
 def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=None,
              gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
-             counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, _scale_bug=False,
-             _drop_split=False):
+             counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
+             _scale_bug=False, _drop_split=False):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -624,7 +626,9 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     ids = topk_ids.to(torch.int32).contiguous()
     tw = topk_weights.contiguous()
     dev = x.device
-    n_ablk = triton.cdiv(I, GU_BLOCK_N)
+    bn = int(gu_block_n or GU_BLOCK_N)   # Gate/Up columns per program = the activation-scale block (v1)
+    check(bn in (16, 32, 64, 128) and (variant == "v1" or bn == GU_BLOCK_N), "gu_block_n: 16/32/64/128, v1 only")
+    n_ablk = triton.cdiv(I, bn)
     act = torch.empty((P, I), device=dev, dtype=torch.float8_e4m3fn)
     act_scale = torch.empty((P, n_ablk), device=dev, dtype=torch.float32)
     if out is None:
@@ -639,12 +643,14 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         y = torch.empty((P, H), device=dev, dtype=torch.float32)
         steps = [
             ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
-                                                num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16)),
+                                                num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
+                                                block_n=bn)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
-                                           num_stages=down_num_stages, scale_bug=_scale_bug))
+                                           num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
-                                        num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16))),
+                                        num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
+                                        act_block=bn))),
             ("reduce", lambda: _launch_reduce(y, tw, out)),
         ]
         return out, steps
@@ -676,7 +682,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
 def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _scale_bug=False,
                   gu_num_stages=None, down_num_stages=None, variant=None, gu_split_k=None,
                   down_split_e=None, counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None,
-                  down_f16=None, _drop_split=False):
+                  down_f16=None, gu_block_n=None, _drop_split=False):
     """out[r] = sum_k topk_weights[r, k] * Down_e(SiLU(Gate_e x_r) * Up_e x_r), e = topk_ids[r, k].
 
     x [w, H] bf16; topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
@@ -690,7 +696,8 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _sca
     ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
     v1 options: ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
     pipelined wide Down kernel); ``gu_f16`` / ``down_f16`` (FP16 instead of BF16 operands in Gate/Up /
-    in the wide Down; defaults GU_F16 / DOWN_F16).
+    in the wide Down; defaults GU_F16 / DOWN_F16); ``gu_block_n`` (Gate/Up columns per program, also
+    the activation-scale block; default GU_BLOCK_N).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction.
     """
@@ -698,6 +705,7 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _sca
                           gu_num_stages=gu_num_stages, down_num_stages=down_num_stages,
                           gu_split_k=gu_split_k, down_split_e=down_split_e, counters=counters,
                           gu_maxnreg=gu_maxnreg, down_nb=down_nb, gu_f16=gu_f16, down_f16=down_f16,
+                          gu_block_n=gu_block_n,
                           _scale_bug=_scale_bug, _drop_split=_drop_split)
     for _, launch in steps:
         launch()

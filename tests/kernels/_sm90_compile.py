@@ -84,6 +84,8 @@ def _launch_everything(A, M, Nm, S):
             for f16, nb in ((False, 1), (False, 8), (True, 8)):   # BF16 / FP16 operands; v1 Down
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug,
                                 gu_f16=f16, down_f16=f16, down_nb=nb)
+            for bn in (16, 64):                                 # other Gate/Up widths
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
         for rdt in (bf, torch.float32):
             x = torch.randn(8, H).to(bf)
             Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6)

@@ -72,7 +72,7 @@ def run_case(M, shape, w, kind, seed, weights=None, **kw):
     out = torch.full((w, H), float("nan"), dtype=torch.bfloat16, device=_dev())
     M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, **kw)
     ref32 = M.moe_reference(x, ids, tw, w13, s13, w2, s2)
-    emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
+    emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=kw.get("gu_block_n") or M.GU_BLOCK_N)
     return rel_err(out, emu), rel_err(out, ref32)
 
 
@@ -114,6 +114,19 @@ def test_q1_shard_operand_types(w, kind, gu, down):
     errs = run_case(M, Q1, w, kind, seed=300 + w, weights=_q1_weights(), **kw)
     assert _ok(errs), errs
     assert _rejected(run_case(M, Q1, w, kind, seed=301 + w, weights=_q1_weights(), _scale_bug=True, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn", [16, 64])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
+def test_q1_shard_gu_block_n(w, kind, bn):
+    """Other Gate/Up widths (= activation-scale blocks), with both Down kernels."""
+    M = load_kernels("moe")
+    for nb in (1, 8):
+        errs = run_case(M, Q1, w, kind, seed=500 + w + bn, weights=_q1_weights(), gu_block_n=bn, down_nb=nb)
+        assert _ok(errs), (nb, errs)
+    assert _rejected(run_case(M, Q1, w, kind, seed=501 + w, weights=_q1_weights(), gu_block_n=bn,
+                              _scale_bug=True))
 
 
 @pytest.mark.gpu
@@ -218,6 +231,14 @@ def test_interp_mini_operand_types(w, kind):
         kw = dict(gu_f16=gu, down_f16=down, down_nb=2)
         assert _ok(run_case(M, MINI, w, kind, seed=w, **kw))
         assert _rejected(run_case(M, MINI_K, w, kind, seed=5, _scale_bug=True, **kw))
+
+
+@cpu_only
+@pytest.mark.parametrize("bn", [16, 64])
+def test_interp_mini_gu_block_n(bn):
+    M = load_kernels("moe")
+    assert _ok(run_case(M, MINI, 6, "shared", seed=bn, gu_block_n=bn, down_nb=2))
+    assert _rejected(run_case(M, MINI_K, 6, "shared", seed=5, gu_block_n=bn, _scale_bug=True))
 
 
 @cpu_only
