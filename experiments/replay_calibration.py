@@ -20,8 +20,8 @@ replicate uses its own request seed and schedule seed, so token sequences and ar
   (``candidate.runtime.debug.step_delay_fraction``): the true TPOT effect is log(1 + slowdown). With
   ``slow_control=gapped`` (default) the control (and so the A/A arm) waits as long after every step
   but leaves the wait out of its recorded step (``debug.step_delay_timed=false``): a pause makes the
-  next step slower (caches go cold; measured: the plain design, ``slow_control=plain``, read +10.4%
-  for 10% on a quiet 2-core VM and about +12% with 7 busy neighbours), so only with the same pause
+  next step slower (plausibly colder caches; measured: the plain design, ``slow_control=plain``, read +11.0%
+  for 10% on a quiet 2-core VM at 32 requests and +11.4% with 7 concurrent replays), so only with the same pause
   in both arms is the injected value the true one. The
   share called slower is the power (goal ≥ 0.9) and the share of TPOT intervals covering the truth
   is the coverage (goal ≥ 0.9; the interval is the harness's, widened by the A/A arm's offset,

@@ -185,8 +185,8 @@ class Engine:
                 dt = time.perf_counter_ns() - t0
                 if delay > 0:   # calibration only: a known, proportional slowdown
                     # busy-wait, not sleep (an idle core changes clocks). Any pause still makes the
-                    # next step slower (its caches went cold meanwhile: measured +1% at 10% on a
-                    # quiet 2-core VM, +3% beside 7 busy neighbours), hence step_delay_timed=false
+                    # next step slower (plausibly colder caches; measured +1% at 10% on a
+                    # quiet 2-core VM, +1.4% beside 7 busy replays), hence step_delay_timed=false
                     # for the control of a calibration: the same pause, not counted
                     until = time.perf_counter_ns() + int(dt * delay)
                     while time.perf_counter_ns() < until:
