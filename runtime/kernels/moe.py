@@ -679,18 +679,16 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     return out, steps
 
 
-def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _scale_bug=False,
-                  gu_num_stages=None, down_num_stages=None, variant=None, gu_split_k=None,
-                  down_split_e=None, counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None,
-                  down_f16=None, gu_block_n=None, _drop_split=False):
+def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **options):
     """out[r] = sum_k topk_weights[r, k] * Down_e(SiLU(Gate_e x_r) * Up_e x_r), e = topk_ids[r, k].
 
     x [w, H] bf16; topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
     E4M3 (rows 0..I-1 Gate, I..2I-1 Up) with s13 [E, ceil(2I/128), ceil(H/128)] fp32; w2 [E, H, I]
     E4M3 with s2 [E, ceil(H/128), ceil(I/128)]. Returns out [w, H] bf16. No host synchronisation.
 
+    ``options`` are ``moe_plan``'s keywords (an unknown one is a TypeError there):
     ``variant``: "v1" (three launches) or "v2" (split-K Gate/Up + Down with the reduce fused: two
-    launches); default ``MOE_VARIANT``. v2 options: ``gu_split_k`` (default GU2_SPLIT_K),
+    launches); default ``MOE_VARIANT``. ``gu_num_stages`` / ``down_num_stages``: pipeline stages. v2 options: ``gu_split_k`` (default GU2_SPLIT_K),
     ``down_split_e`` (DOWN2_SPLIT_E), ``counters`` (a persistent int32 zero buffer of
     ``counters_size(...)`` entries, left zero by each call; otherwise one is zeroed per call),
     ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
@@ -701,12 +699,7 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, _sca
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction.
     """
-    out, steps = moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out, variant=variant,
-                          gu_num_stages=gu_num_stages, down_num_stages=down_num_stages,
-                          gu_split_k=gu_split_k, down_split_e=down_split_e, counters=counters,
-                          gu_maxnreg=gu_maxnreg, down_nb=down_nb, gu_f16=gu_f16, down_f16=down_f16,
-                          gu_block_n=gu_block_n,
-                          _scale_bug=_scale_bug, _drop_split=_drop_split)
+    out, steps = moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out, **options)
     for _, launch in steps:
         launch()
     return out
