@@ -65,6 +65,8 @@ def parse(argv):
         sys.exit(0)
     if positional:
         sys.exit(f"error: unexpected arguments {positional} (settings are key=value; --help)")
+    if s["slow_control"] not in ("gapped", "plain"):
+        sys.exit(f"error: slow_control={s['slow_control']!r}: gapped (the control pauses too, untimed) or plain")
     return s
 
 
