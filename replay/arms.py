@@ -257,6 +257,9 @@ class Arm:
                "overrides": self.overrides, "root": str(r.root)}
         if getattr(self, "engine", None) is not None:
             rec["device"] = str(self.engine.device)
+        if dataclasses.is_dataclass(self.rt):
+            # resolved: the revision's conf/runtime/default.yaml with the overrides (kernels included)
+            rec["runtime"] = dataclasses.asdict(self.rt)
         return rec
 
 

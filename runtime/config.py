@@ -169,6 +169,68 @@ class DebugConfig:
     step_delay_timed: bool = True
 
 
+KERNEL_PIECES = ("attention", "moe", "norm", "sampler")
+KERNEL_CHOICES = ("fast", "reference")
+
+
+def _frozen(v):
+    """A hashable image of a YAML value (dicts and lists nest), equal for equal values."""
+    if isinstance(v, dict):
+        return tuple(sorted((str(k), _frozen(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    try:
+        hash(v)
+    except TypeError:
+        return repr(v)
+    return v
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    """Which decode pieces of ``backend=fast`` run on their Triton kernel (``fast``) and which on the
+    eager torch reference (``reference``), plus keywords passed through to the kernel calls (checked
+    against the kernels' signatures when the fast model is built). For A/B runs of the harness."""
+
+    attention: str = "fast"
+    moe: str = "fast"
+    norm: str = "fast"
+    sampler: str = "fast"
+    attention_options: dict = field(default_factory=dict)
+    moe_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # own copies (the YAML's dicts are not aliased); null in YAML means none
+        for f in ("attention_options", "moe_options"):
+            v = getattr(self, f)
+            if v is None or isinstance(v, dict):
+                object.__setattr__(self, f, dict(v or {}))
+
+    def __hash__(self):   # the dict fields would make the generated hash raise
+        return hash(tuple(_frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+    @property
+    def is_default(self) -> bool:
+        return self == KernelsConfig()
+
+    def problems(self) -> list[str]:
+        p = []
+        for piece in KERNEL_PIECES:
+            v = getattr(self, piece)
+            if v not in KERNEL_CHOICES:
+                p.append(f"kernels.{piece} must be fast|reference, got {v!r}")
+        for f in ("attention_options", "moe_options"):
+            v = getattr(self, f)
+            if not isinstance(v, dict):
+                p.append(f"kernels.{f} must be a mapping of kernel keywords, got {v!r}")
+                continue
+            bad = sorted(str(k) for k in v if not isinstance(k, str) or not k.isidentifier() or k.startswith("_"))
+            if bad:
+                p.append(f"kernels.{f}: {bad} are not kernel options (names starting with '_' are the "
+                         "tests' negative controls)")
+        return p
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     backend: str = "reference"
@@ -178,6 +240,7 @@ class RuntimeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def validate(self) -> "RuntimeConfig":
         p = []
@@ -201,13 +264,18 @@ class RuntimeConfig:
             p.append("debug.step_delay_fraction must be >= 0")
         if not isinstance(self.debug.step_delay_timed, bool):
             p.append(f"debug.step_delay_timed must be true|false, got {self.debug.step_delay_timed!r}")
+        kp = self.kernels.problems()
+        p += kp
+        if not kp and self.backend != "fast" and not self.kernels.is_default:
+            p.append(f"kernels selects among the fast backend's kernels; with backend={self.backend} it would "
+                     "change nothing (set backend=fast, or leave kernels at its defaults)")
         if p:
             raise ConfigError("runtime config: " + "; ".join(p))
         return self
 
 
 _NESTED = {"tp": TPConfig, "sampling": SamplingConfig, "draft": DraftConfig, "debug": DebugConfig,
-           "stop_rule": StopRuleConfig}
+           "stop_rule": StopRuleConfig, "kernels": KernelsConfig}
 
 
 def _build(cls, d: dict[str, Any] | None, where: str):
@@ -233,9 +301,14 @@ def load_runtime_config(name: str = "default", overrides: dict[str, Any] | None 
     for dotted, v in (overrides or {}).items():
         cur = d
         *head, last = dotted.split(".")
-        for h in head:
-            cur = cur.setdefault(h, {})
-        cur[last] = v
+        for i, h in enumerate(head):
+            if cur.get(h) is None:
+                cur[h] = {}
+            cur = cur[h]
+            if not isinstance(cur, dict):
+                raise ConfigError(f"override {dotted}={v!r}: runtime.{'.'.join(head[:i + 1])} is {cur!r}, "
+                                  "not a section")
+        cur[last] = v       # a key inside a dict-valued setting (kernels.*_options) lands in that dict
     return runtime_config_from_dict(d)
 
 

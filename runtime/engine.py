@@ -71,7 +71,8 @@ class Engine:
         self.comm = make_comm(rt.tp)
         if rt.backend == "fast":   # Triton kernels for the decode pieces; needs CUDA and dtype=bfloat16
             from .fast import FastModel
-            self.model = FastModel(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm)
+            self.model = FastModel(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm,
+                                   kernels=rt.kernels)
         elif rt.backend == "reference":
             self.model = Model(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm)
         else:

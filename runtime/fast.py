@@ -31,6 +31,15 @@ exchange is an excluded no-op (exactly what the reference's ``filter_dist`` does
 under real tensor parallelism (peers exist) it falls back to the reference filter, which exchanges
 candidates.
 
+Per-piece selection (``runtime.kernels``, :class:`~runtime.config.KernelsConfig`, for A/B runs):
+each of ``attention``, ``moe``, ``norm`` and ``sampler`` is ``fast`` (its kernel, above) or
+``reference`` (eager torch, still without host reads): attention = the reference's
+``write_decode`` + ``attend_chunked`` after the same Q/K/V GEMM and RoPE; moe = ``Model.moe``
+(with its all-reduce under TP); norm = :func:`add_rmsnorm_torch` (the kernel's contract on the
+tests' oracle ``add_rmsnorm_reference``); sampler = ``filter_dist`` + ``draw`` on the rank's slice.
+``attention_options`` / ``moe_options`` are keywords for ``decode_attention_full/_ring`` /
+``fused_moe_fp8``, checked against the kernels' signatures at construction.
+
 Where the kernels run: on CUDA. On a CPU only inside the Triton interpreter (``TRITON_INTERPRET=1``
 set before the kernels were imported, with the interpreter shims of ``tests/kernels/_interp.py``
 installed: without them the interpreter multiplies BF16 storage bits); anything else is a
@@ -38,22 +47,63 @@ installed: without them the interpreter multiplies BF16 storage bits); anything 
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
 
-from .config import ConfigError, ModelConfig, SamplingConfig, Shard
+from .config import ConfigError, KernelsConfig, ModelConfig, SamplingConfig, Shard
 from .kernels import attention as _attn
 from .kernels import moe as _moe
 from .kernels import norm as _norm
 from .kernels import sampler as _sampler
-from .model import KVCache, LayerWeights, Model, ModelCache
+from .model import KVCache, LayerWeights, Model, ModelCache, attend_chunked, visible_keys, write_decode
 from .sampling import draw, filter_dist
 
 MAX_DECODE_ROWS = 8
 _BF16 = torch.bfloat16
 # Negative controls for the tests: a FastModel with one deliberately broken kernel argument.
 BROKEN = ("drop_sinks", "moe_scale_bug")
+_BROKEN_PIECE = {"drop_sinks": "attention", "moe_scale_bug": "moe"}
+
+
+def _keyword_options(*fns, drop=()) -> list[str]:
+    """Keyword-only parameter names accepted by every one of ``fns`` (less ``drop`` and the tests'
+    ``_`` controls): what a config may pass through to them."""
+    names = None
+    for fn in fns:
+        ps = inspect.signature(fn).parameters.values()
+        mine = {p.name for p in ps if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        names = mine if names is None else names & mine
+    return sorted(n for n in names or () if n not in drop and not n.startswith("_"))
+
+
+def kernel_options(kernels: KernelsConfig) -> tuple[dict, dict]:
+    """(attention keywords, MoE keywords) of ``kernels`` after checking their names against the
+    kernel entry points; an unknown name is a ConfigError listing the allowed ones."""
+    checks = (("attention_options", kernels.attention_options,
+               _keyword_options(_attn.decode_attention_full, _attn.decode_attention_ring, drop=("out",)),
+               "decode_attention_full/_ring"),
+              ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan), "fused_moe_fp8 (moe_plan)"))
+    for what, given, allowed, fn in checks:
+        unknown = sorted(k for k in given if k not in allowed)
+        if unknown:
+            raise ConfigError(f"runtime.kernels.{what}: unknown keyword(s) {unknown} for {fn}; "
+                              f"allowed: {allowed}")
+    return dict(kernels.attention_options), dict(kernels.moe_options)
+
+
+def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fused_add_rmsnorm``'s contract in eager torch (``kernels.norm=reference``): residual += x in
+    residual's dtype (updated in place); out = RMSNorm(residual as stored) * weight, BF16, written into
+    ``out`` when given; returns out. Values from the tests' oracle ``add_rmsnorm_reference`` (FP64)."""
+    r, normed = _norm.add_rmsnorm_reference(x, residual, weight, eps)
+    residual.copy_(r)
+    if out is None:
+        return normed.to(_BF16)
+    out.copy_(normed)
+    return out
 
 
 def _jitted(mod):
@@ -93,7 +143,7 @@ class FastModel(Model):
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], shard: Shard,
                  dtype: str = "bfloat16", device="cuda", comm=None, dense_moe: bool | None = None,
-                 broken: str | None = None):
+                 broken: str | None = None, kernels: KernelsConfig | None = None):
         why = kernels_runnable(torch.device(device))
         if why:
             raise ConfigError(why)
@@ -102,10 +152,11 @@ class FastModel(Model):
                               f"activations); set runtime.dtype=bfloat16 (got {dtype})")
         _check_shapes(cfg, shard)
         super().__init__(cfg, tensors, shard, "bfloat16", device, comm, dense_moe)
-        self._setup(broken)
+        self._setup(broken, kernels)
 
     @classmethod
-    def from_model(cls, model: Model, broken: str | None = None) -> "FastModel":
+    def from_model(cls, model: Model, broken: str | None = None,
+                   kernels: KernelsConfig | None = None) -> "FastModel":
         """A fast model over an existing BF16 reference model's weights (shared, not copied; the
         Q/K/V weights of the shared layers become views of one fused tensor, same values)."""
         if model.dtype != _BF16:
@@ -116,12 +167,21 @@ class FastModel(Model):
         _check_shapes(model.cfg, model.shard)
         fm = cls.__new__(cls)
         fm.__dict__.update(model.__dict__)
-        fm._setup(broken)
+        fm._setup(broken, kernels)
         return fm
 
-    def _setup(self, broken: str | None) -> None:
+    def _setup(self, broken: str | None, kernels: KernelsConfig | None = None) -> None:
+        kernels = KernelsConfig() if kernels is None else kernels
+        p = kernels.problems()
+        if p:
+            raise ConfigError("runtime config: " + "; ".join(p))
+        self.kernels = kernels
+        self._attn_options, self._moe_options = kernel_options(kernels)
         if broken is not None and broken not in BROKEN:
             raise ValueError(f"broken must be one of {BROKEN}, got {broken!r}")
+        if broken is not None and getattr(kernels, _BROKEN_PIECE[broken]) != "fast":
+            raise ValueError(f"broken={broken!r} breaks the {_BROKEN_PIECE[broken]} kernel, which "
+                             f"kernels.{_BROKEN_PIECE[broken]}=reference does not run")
         self.broken = broken
         cfg, sh, dev = self.cfg, self.shard, self.device
         d = cfg.head_dim
@@ -149,12 +209,19 @@ class FastModel(Model):
         return super().new_cache(capacity, _BF16)
 
     # ---- small pieces -------------------------------------------------------------------------------
+    def _add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """r += x; RMSNorm(r) * w in BF16: the fused kernel, or its eager contract (kernels.norm)."""
+        if self.kernels.norm == "reference":
+            return add_rmsnorm_torch(x, r, w, eps, out)
+        return _norm.fused_add_rmsnorm(x, r, w, eps, out)
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x) * w in BF16 through the fused kernel with a zero residual (x rounded to BF16
         first, as the reference's ``rms_norm`` of a BF16 tensor)."""
         x = x.to(_BF16).contiguous()
         res = torch.zeros_like(x)
-        return _norm.fused_add_rmsnorm(x, res, w, self.cfg.rms_norm_eps, out)
+        return self._add_norm(x, res, w, self.cfg.rms_norm_eps, out)
 
     def _rope_tables(self, positions: torch.Tensor):
         """cos/sin [T, 1, d] (both halves) of the reference's RoPE, once per pass."""
@@ -189,12 +256,17 @@ class FastModel(Model):
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
         kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+        if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
+            keys, vals, kpos = write_decode(cache, positions, kt, vt)
+            o = attend_chunked(q, keys, vals, lambda a, b: visible_keys(cache, kpos, positions[a:b]), lw.sinks)
+            out = o.reshape(T, nh * d) @ lw.wo.T
+            return self.comm.all_reduce(out) if sh.tp_size > 1 else out
         o = torch.empty(T, nh, d, dtype=_BF16, device=h.device)
         sinks = None if self.broken == "drop_sinks" else lw.sinks
         if cache.kind == "full":
             cache.k.index_copy_(1, positions, kt)
             cache.v.index_copy_(1, positions, vt)
-            _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o)
+            _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o, **self._attn_options)
         else:
             slots = tab.get(("slots", cache.slots))
             if slots is None:
@@ -202,14 +274,17 @@ class FastModel(Model):
             cache.k.index_copy_(1, slots, kt)
             cache.v.index_copy_(1, slots, vt)
             cache.labels.index_copy_(0, slots, positions)
-            _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o)
+            _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o,
+                                        **self._attn_options)
         out = o.view(T, nh * d) @ lw.wo.T
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
     def _moe_fast(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        if self.kernels.moe == "reference":
+            return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
         ids, weights = self.route(lw, h)
         y = _moe.fused_moe_fp8(h, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
-                               _scale_bug=self.broken == "moe_scale_bug")
+                               _scale_bug=self.broken == "moe_scale_bug", **self._moe_options)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
 
     def _tables(self, positions: torch.Tensor) -> dict:
@@ -221,17 +296,17 @@ class FastModel(Model):
     def _layers_fast(self, layers: list[LayerWeights], caches: list[KVCache], r: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         """Decode layers from the input r (BF16 [T, H]); returns the residual stream after them."""
-        eps = self.cfg.rms_norm_eps
+        eps, add_norm = self.cfg.rms_norm_eps, self._add_norm
         tab = self._tables(positions)
         x = r
         r = torch.zeros_like(x)
-        h = _norm.fused_add_rmsnorm(x, r, layers[0].ln1, eps)           # r = x, h = norm(x)
+        h = add_norm(x, r, layers[0].ln1, eps)           # r = x, h = norm(x)
         for i, (lw, c) in enumerate(zip(layers, caches)):
             a = self._attention_fast(lw, h, positions, c, tab)
-            h = _norm.fused_add_rmsnorm(a, r, lw.ln2, eps)              # r += attention
+            h = add_norm(a, r, lw.ln2, eps)              # r += attention
             m = self._moe_fast(lw, h)
             if i + 1 < len(layers):
-                h = _norm.fused_add_rmsnorm(m, r, layers[i + 1].ln1, eps)   # r += moe
+                h = add_norm(m, r, layers[i + 1].ln1, eps)   # r += moe
             else:
                 r.add_(m)
         return r
@@ -268,7 +343,8 @@ class FastModel(Model):
         the served distribution of each row and its draw with the uniforms u [T] (u None: the draw is
         meaningless, only the distribution is wanted)."""
         T = logits.shape[0]
-        if self.comm.size > 1 and not getattr(self.comm, "emulated", False):
+        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
+        if self.kernels.sampler == "reference" or peers:
             ids, probs = filter_dist(logits, s.temperature, s.top_k, s.top_p, self.shard.vocab_start, self.comm)
             if u is None:
                 return ids, probs, ids[:, 0], torch.zeros_like(ids[:, 0])

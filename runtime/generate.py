@@ -23,6 +23,9 @@ Overrides (Hydra syntax, defaults in conf/generate.yaml):
   runtime.draft.policy=fixed runtime.draft.fixed_depth=5   draft-depth policy (or stop_rule)
   runtime.device=cpu|cuda runtime.dtype=float32|bfloat16
   runtime.tp.size=8 runtime.tp.emulate_rank=0                rank emulation
+  runtime.backend=fast runtime.kernels.moe=reference         fast backend (CUDA, bfloat16) with one
+                                piece (attention|moe|norm|sampler) on eager torch; kernel keywords:
+                                +runtime.kernels.attention_options.variant=fused (note the +)
 """
 
 
