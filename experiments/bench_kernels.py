@@ -133,8 +133,22 @@ def bench_attention(copy_bw, l2, sweep):
     slots = window + 64
     # "v1" (split + combine kernels) and "fused" (one launch) run at every shape, whatever
     # A.VARIANT ("default") is, so the two can be compared at short contexts (fixed cost) too.
-    every_shape = {"default", "v1", "fused"}
-    configs = [("default", {}), ("v1", dict(variant="v1")), ("fused", dict(variant="fused"))]
+    every_shape = {"default", "v1", "fused", "v2", "v1_pdl", "v2_pdl", "v2_pdl_pf0", "v2_pdl_pf4", "v2_pdl_pf8"}
+    configs = [("default", {}), ("v1", dict(variant="v1")), ("fused", dict(variant="fused")),
+               ("v2", dict(variant="v2")), ("v1_pdl", dict(variant="v1", pdl=True)),
+               ("v2_pdl", dict(variant="v2", pdl=True))]
+    # v2 + PDL: key blocks per split prefetched to L2 before the split's wait (default PREFETCH_BLOCKS)
+    configs += [(f"v2_pdl_pf{pf}", dict(variant="v2", pdl=True, prefetch=pf)) for pf in (0, 4, 8)]
+    # v2 + PDL (no prefetch) tiles: a 64-row Q tile at every width (w = 4 packs 24 rows: 32 by
+    # default), 128 or 32 keys per block, two splits per SM
+    v2p = dict(variant="v2", pdl=True, prefetch=0)
+    configs += [("v2p_m64", dict(v2p, min_block_m=64)),
+                ("v2p_bn128_st2", dict(v2p, block_n=128, num_stages=2)),
+                ("v2p_bn128_st3", dict(v2p, block_n=128, num_stages=3)),
+                ("v2p_bn32_st6", dict(v2p, block_n=32, num_stages=6)),
+                ("v2p_spl264_st3", dict(v2p, num_splits=264, num_stages=3)),
+                ("v2p_spl264_st2", dict(v2p, num_splits=264, num_stages=2))]
+    every_shape |= {name for name, _ in configs[-6:]}
     # v1 combine tiles (head-dim columns x splits per load), at the long contexts, every width
     tiles = [(32, 32), (64, 256)]
     long_only = {f"v1_cd{cd}_cs{cs}" for cd, cs in tiles} | {"v1_spl198", "v1_st3", "v1_st5"}
@@ -190,7 +204,8 @@ def bench_attention(copy_bw, l2, sweep):
                     num_splits=cfg.get("num_splits"), block_n=cfg.get("block_n"),
                     num_stages=cfg.get("num_stages"), num_warps=cfg.get("num_warps"),
                     variant=cfg.get("variant"), combine_block_d=cfg.get("combine_block_d"),
-                    combine_block_s=cfg.get("combine_block_s")))
+                    combine_block_s=cfg.get("combine_block_s"), pdl=cfg.get("pdl"),
+                    prefetch=cfg.get("prefetch"), min_block_m=cfg.get("min_block_m")))
                     for q, k, v, s, sp, o in data]
                 record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
                        ref_calls=ref_calls if name == "default" else None,
@@ -246,17 +261,29 @@ def bench_moe(copy_bw, l2, sweep):
         # v2 with a persistent counter buffer (left zero by every call): no per-call memset node.
         cnt = torch.zeros(M.counters_size(w, H, I, E), device=DEV, dtype=torch.int32)
         variants += [("v2_cnt", dict(variant="v2", counters=cnt))]
-        # v1 with the wide, pipelined Down (down_nb column blocks per program)
-        variants += [(f"v1_nb{nb}_st{st}", dict(variant="v1", down_nb=nb, down_num_stages=st))
-                     for nb, st in [(4, 3), (8, 3), (12, 3)]]
-        # operand types of Gate/Up and the wide Down (FP16 defaults since session 10; BF16 before)
-        variants += [("v1_bf16", dict(variant="v1", gu_f16=False, down_f16=False)),
-                     ("v1_gu16_downbf16", dict(variant="v1", gu_f16=True, down_f16=False)),
-                     ("v1_f16_nb12", dict(variant="v1", down_nb=12)),
-                     ("v1_f16_nb16_st4", dict(variant="v1", down_nb=16, down_num_stages=4)),
-                     ("v1_gubn16", dict(variant="v1", gu_block_n=16)),
-                     ("v1_gubn64", dict(variant="v1", gu_block_n=64))]
+        # v1 with the wide, pipelined Down (down_nb column blocks per program); operand types (FP16
+        # defaults since session 10, BF16 before). Rejected session-10 variants (nb 12/16, Gate/Up
+        # widths 16/64) run with --sweep.
+        variants += [("v1_nb4_st3", dict(variant="v1", down_nb=4, down_num_stages=3)),
+                     ("v1_bf16", dict(variant="v1", gu_f16=False, down_f16=False))]
+        # programmatic dependent launch (Gate/Up -> Down -> reduce), the Down's L2 prefetch depth,
+        # and reduce widths
+        variants += [("v1_pdl", dict(variant="v1", pdl=True)),
+                     ("v1_pdl_pf0", dict(variant="v1", pdl=True, down_prefetch=0)),
+                     ("v1_pdl_pf4", dict(variant="v1", pdl=True, down_prefetch=4)),
+                     ("v1_pdl_pf8", dict(variant="v1", pdl=True, down_prefetch=8)),
+                     ("v1_rb256", dict(variant="v1", red_block_h=256)),
+                     ("v1_pdl_rb256", dict(variant="v1", pdl=True, red_block_h=256)),
+                     ("v1_nopdl", dict(variant="v1", pdl=False))]
+        variants += [(f"v1_pdl_rb{rb}{tag}", dict(variant="v1", pdl=True, red_block_h=rb, **kw))
+                     for rb, tag, kw in [(128, "", {}), (512, "", {}), (256, "_nb4", dict(down_nb=4)),
+                                         (256, "_nb6", dict(down_nb=6)), (256, "_pf0", dict(down_prefetch=0)),
+                                         (256, "_gu3", dict(gu_num_stages=3))]]
         if sweep and distinct == MOE["realistic"]:
+            variants += [("v1_f16_nb12", dict(variant="v1", down_nb=12)),
+                         ("v1_f16_nb16_st4", dict(variant="v1", down_nb=16, down_num_stages=4)),
+                         ("v1_gubn16", dict(variant="v1", gu_block_n=16)),
+                         ("v1_gubn64", dict(variant="v1", gu_block_n=64))]
             variants += [(f"gu{a}_down{b}", dict(variant="v1", gu_num_stages=a, down_num_stages=b))
                          for a, b in [(3, 2), (6, 2), (4, 3)]]
             variants += [(f"v2_k{a}_e{b}", dict(variant="v2", gu_split_k=a, down_split_e=b))
@@ -279,8 +306,7 @@ def bench_moe(copy_bw, l2, sweep):
         dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
         step_bytes = dict(gate_up=gu_bytes, down=dn_bytes + P * H * 4, reduce=P * H * 4 + w * H * 2,
                           down_reduce=dn_bytes + w * H * 2)
-        for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False)),
-                         ("v1_gubn16", dict(gu_block_n=16))):
+        for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False))):
             plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var[:2], **vkw)[1] for x, ids, tw, wt, o in data]
             for plan in plans:  # fill the intermediate buffers (activations, group table) once
                 for _, launch in plan:

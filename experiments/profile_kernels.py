@@ -1,7 +1,7 @@
 """Hardware-counter profile of the two kernels that miss their bandwidth goals (issue 7), for ncu.
 
     ncu --clock-control none --profile-from-start off --set full -o $OUT/prof \
-        python3 experiments/profile_kernels.py [--moe-only | --attn-only]
+        python3 experiments/profile_kernels.py [--moe-only | --attn-only] [--attn-variants=v1,v2]
 
 Runs, at the q1 rank-emulation shard: one MoE call (v1, default DOWN_NB, 6 rows, 38 distinct experts)
 and one split-KV attention call (v1, 64K context, 6 rows), each after a warm-up (compilation) outside
@@ -36,14 +36,14 @@ def moe_call():
     return lambda: M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out)
 
 
-def attn_call(ctx=65536, w=6):
+def attn_call(ctx=65536, w=6, variant=None):
     q = torch.randn(w, 6, 128, device="cuda").to(torch.bfloat16)
     k = torch.randn(1, ctx + 64, 128, device="cuda").to(torch.bfloat16)
     v = torch.randn(1, ctx + 64, 128, device="cuda").to(torch.bfloat16)
     sinks = torch.randn(6, device="cuda") + math.log(ctx)
     sp = torch.tensor(ctx - w, dtype=torch.int32, device="cuda")
     o = torch.empty_like(q)
-    return lambda: A.decode_attention_full(q, k, v, sp, sinks, o)
+    return lambda: A.decode_attention_full(q, k, v, sp, sinks, o, variant=variant)
 
 
 def main():
@@ -51,7 +51,9 @@ def main():
     if "--attn-only" not in sys.argv:
         calls.append(moe_call())
     if "--moe-only" not in sys.argv:
-        calls.append(attn_call())
+        # --attn-variants v1,v2: one call of each attention variant (default: the module default)
+        names = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--attn-variants=")), None)
+        calls += [attn_call(variant=v) for v in (names.split(",") if names else [None])]
     for c in calls:       # compile + warm
         c()
         c()

@@ -11,9 +11,11 @@ same trace launch the same work.
 Hook for the graphs issue: an engine that exposes ``graph_fingerprint(rnd, st) -> {width: [node
 signature, ...]}`` (CUDA-graph nodes: type, kernel name, launch geometry, topology) is fingerprinted
 through it instead; :func:`fingerprint_arm` records which ``method`` produced a fingerprint, and
-arms fingerprinted by different methods are never called identical. (Kernels launched outside the
-dispatcher, e.g. a Triton launch from Python, are invisible to the operator trace; the graph
-enumeration is what sees them.)
+arms fingerprinted by different methods are never called identical. Triton launches do not pass
+through the dispatcher; a Triton launch hook (:class:`TritonRecorder`) adds each one to the trace
+with its kernel name and launch description (grid, warps, stages, programmatic launch, scalar and
+constexpr arguments), so a kernel option or variant changed through ``runtime.kernels`` is a
+difference too. (Kernels launched by other means remain invisible until the graph enumeration.)
 """
 from __future__ import annotations
 
@@ -52,11 +54,42 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class TritonRecorder:
+    """Records ``triton:<kernel>(<launch description>)`` for every compiled Triton launch while it is
+    installed as a launch hook (``with TritonRecorder(ops):``). The description comes from the
+    kernel's ``launch_metadata`` (``runtime.kernels._common.launch_signature``: grid, warps, stages,
+    programmatic launch, scalar arguments), so it is the same in every copy of the runtime for the
+    same code and shapes; a kernel without one is recorded by name. The interpreter runs no hooks."""
+
+    def __init__(self, ops: list[str]):
+        self.ops = ops
+        self._knobs = None
+
+    def __call__(self, metadata) -> None:
+        d = metadata.get() if hasattr(metadata, "get") else dict(metadata or {})
+        self.ops.append(f"triton:{d.get('name')}({d.get('signature', '')})")
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+        except ImportError:      # no triton: nothing can be launched through it
+            return self
+        self._knobs = knobs
+        knobs.runtime.launch_enter_hook.add(self)
+        return self
+
+    def __exit__(self, *exc):
+        if self._knobs is not None:
+            self._knobs.runtime.launch_enter_hook.remove(self)
+        return False
+
+
 def trace_width(rnd, st, w: int) -> list[str]:
-    """Operator trace of one step of width ``w`` on a restored state (the state is consumed)."""
+    """Operator trace of one step of width ``w`` on a restored state (the state is consumed): the
+    aten operators and, interleaved in launch order, the Triton launches."""
     st.n_drafts.fill_(w - 1)     # the width is a driver-side choice; forcing it touches no piece
     rec = OpRecorder()
-    with torch.no_grad(), rec:
+    with torch.no_grad(), rec, TritonRecorder(rec.ops):
         rnd.verify(st, w)
         rnd.draft_first(st, w)
         for k in range(2, w):

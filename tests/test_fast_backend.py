@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import os
 
@@ -212,6 +213,246 @@ def test_interpreted_rank_emulation_q1_shapes(interp):
     assert e < LOGITS_BOUND
 
 
+# --------------------------------------------- per-kernel selection (runtime.kernels), CPU tests
+PIECE_ENTRY_POINTS = {"attention": ("_attn", ("decode_attention_full", "decode_attention_ring")),
+                      "moe": ("_moe", ("fused_moe_fp8",)),
+                      "norm": ("_norm", ("fused_add_rmsnorm",)),
+                      "sampler": ("_sampler", ("sample_topk_topp",))}
+
+
+class KernelSpy:
+    """Counts (and keeps the keywords of) every call of the fast model's kernel entry points, through
+    the module attributes runtime.fast calls them by; the kernels still run."""
+
+    def __init__(self, mp: pytest.MonkeyPatch):
+        import runtime.fast as fastmod
+
+        self.calls: dict[str, list[dict]] = {}
+        for modattr, names in PIECE_ENTRY_POINTS.values():
+            mod = getattr(fastmod, modattr)
+            for name in names:
+                mp.setattr(mod, name, self._wrap(name, getattr(mod, name)))
+
+    def _wrap(self, name, fn):
+        @functools.wraps(fn)     # keeps the signature the fast model checks options against
+        def spy(*args, **kwargs):
+            self.calls.setdefault(name, []).append(kwargs)
+            return fn(*args, **kwargs)
+        return spy
+
+    def count(self, piece: str) -> int:
+        return sum(len(self.calls.get(n, [])) for n in PIECE_ENTRY_POINTS[piece][1])
+
+
+def kernels_cfg(**kw):
+    from runtime.config import KernelsConfig
+
+    return KernelsConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_restored(interp):
+    """q1-tiny/2 layers: the FP32 reference engine, a BF16 model over the same weights, one restored
+    state at a short context and the reference's verify logits of its 8 rows."""
+    from runtime.fast import FastModel
+
+    cfg = tiny2()
+    tensors = dict(random_tensors(cfg, seed=0))
+    ref = Engine(cfg, runtime_config_from_dict({"device": "cpu"}), tensors)
+    bf16 = Model(cfg, tensors, ref.shard, "bfloat16", "cpu")
+    probe = FastModel.from_model(bf16)
+    rnd, st, cache = restored_pair(ref, probe, random_prompt(6, cfg.vocab_size, seed=6))
+    return {"cfg": cfg, "ref": ref, "bf16": bf16, "st": st, "cache": cache,
+            "lr": verify_logits(ref.model, rnd.cache, st, 8)}
+
+
+def spied_verify(t, kernels=None):
+    """(rel err of the fast model's verify logits vs the FP32 reference, spy) for one selection."""
+    from runtime.fast import FastModel
+
+    with pytest.MonkeyPatch.context() as mp:
+        spy = KernelSpy(mp)
+        fm = FastModel.from_model(t["bf16"], kernels=kernels)
+        e = rel_err(verify_logits(fm, t["cache"], t["st"], 8), t["lr"])
+    return e, spy
+
+
+@pytest.fixture(scope="module")
+def all_fast_run(tiny_restored):
+    return spied_verify(tiny_restored)
+
+
+def test_kernels_config_is_validated():
+    """Unknown selections, keys and options are ConfigErrors; a kernels section under backend=reference
+    is refused; the config stays hashable with its dict fields; the harness's per-arm override path
+    (command line -> paired config -> flatten -> the arm's runtime config) lands keys inside the
+    option dicts."""
+    from replay import arms
+    from replay.paired import compose_without_hydra, rewrite_overrides
+    from runtime.config import load_runtime_config
+
+    with pytest.raises(ConfigError, match=r"kernels.moe must be fast\|reference"):
+        runtime_config_from_dict({"backend": "fast", "kernels": {"moe": "bogus"}})
+    with pytest.raises(ConfigError, match=r"kernels.moe must be fast\|reference"):
+        runtime_config_from_dict({"kernels": {"moe": "bogus"}})
+    with pytest.raises(ConfigError, match=r"unknown keys in runtime.kernels: \['nope'\]"):
+        runtime_config_from_dict({"backend": "fast", "kernels": {"nope": "fast"}})
+    with pytest.raises(ConfigError, match="with backend=reference it would change nothing"):
+        runtime_config_from_dict({"kernels": {"attention": "reference"}})
+    with pytest.raises(ConfigError, match="with backend=reference it would change nothing"):
+        runtime_config_from_dict({"kernels": {"moe_options": {"down_nb": 2}}})
+    with pytest.raises(ConfigError, match="negative controls"):
+        runtime_config_from_dict({"backend": "fast", "kernels": {"moe_options": {"_scale_bug": True}}})
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        runtime_config_from_dict({"backend": "fast", "kernels": {"attention_options": "fused"}})
+    rt = runtime_config_from_dict({"backend": "fast", "kernels": {"moe": "reference",
+                                                                  "attention_options": {"num_splits": 3}}})
+    assert rt.kernels.moe == "reference" and rt.kernels.attention_options == {"num_splits": 3}
+    assert runtime_config_from_dict({}).kernels == kernels_cfg()      # defaults: every kernel
+    assert load_runtime_config("default").kernels == kernels_cfg()    # conf/runtime/default.yaml agrees
+    # dict-valued fields: the config stays hashable (consistently with ==) and serialisable
+    assert hash(rt) != hash(runtime_config_from_dict({"backend": "fast"})) and hash(rt) == hash(dataclasses.replace(rt))
+    assert dataclasses.asdict(rt)["kernels"]["attention_options"] == {"num_splits": 3}
+
+    cfg = compose_without_hydra(rewrite_overrides(
+        ["candidate.runtime.backend=fast", "candidate.runtime.kernels.moe=reference",
+         "candidate.runtime.kernels.attention_options.variant=fused",
+         "candidate.runtime.kernels.moe_options={down_nb: 4}"]))
+    flat = arms.flatten(cfg["candidate"]["runtime"])
+    assert flat == {"backend": "fast", "kernels.moe": "reference", "kernels.attention_options.variant": "fused",
+                    "kernels.moe_options.down_nb": 4}
+    k = load_runtime_config("default", flat).kernels
+    assert (k.moe, k.attention, k.attention_options, k.moe_options) == ("reference", "fast", {"variant": "fused"},
+                                                                       {"down_nb": 4})
+    assert load_runtime_config("default", arms.flatten(cfg["control"]["runtime"])).kernels == kernels_cfg()
+
+
+@cpu_only
+def test_interpreted_kernel_options_are_checked_at_construction(interp):
+    """Option names against the kernels' signatures when the fast model is built: unknown names and
+    the tests' controls are ConfigErrors listing the allowed names; known ones are accepted. A
+    negative control (broken=) must break a kernel that runs."""
+    from runtime.config import make_shard
+    from runtime.fast import FastModel
+
+    cfg = tiny2()
+    bf16 = Model(cfg, dict(random_tensors(cfg, seed=0)), make_shard(cfg, runtime_config_from_dict({}).tp),
+                 "bfloat16", "cpu")
+    for bad, what in (({"moe_options": {"_scale_bug": True}}, "negative controls"),
+                      ({"moe_options": {"nope": 1}}, r"moe_options: unknown keyword\(s\) \['nope'\].*down_nb"),
+                      ({"attention_options": {"nope": 1}},
+                       r"attention_options: unknown keyword\(s\) \['nope'\].*num_splits"),
+                      ({"attention_options": {"out": None}}, r"unknown keyword\(s\) \['out'\]"),
+                      ({"attention": "bogus"}, r"kernels.attention must be fast\|reference")):
+        with pytest.raises(ConfigError, match=what):
+            FastModel.from_model(bf16, kernels=kernels_cfg(**bad))
+    fm = FastModel.from_model(bf16, kernels=kernels_cfg(moe_options={"down_nb": 2},
+                                                        attention_options={"num_splits": 3, "variant": "v1"}))
+    assert fm._moe_options == {"down_nb": 2} and fm._attn_options == {"num_splits": 3, "variant": "v1"}
+    with pytest.raises(ValueError, match="kernels.attention=reference does not run"):
+        FastModel.from_model(bf16, broken="drop_sinks", kernels=kernels_cfg(attention="reference"))
+    with pytest.raises(ValueError, match="kernels.moe=reference does not run"):
+        FastModel.from_model(bf16, broken="moe_scale_bug", kernels=kernels_cfg(moe="reference"))
+
+
+@cpu_only
+@pytest.mark.parametrize("piece", ["attention", "moe", "norm"])
+def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast_run, piece):
+    """kernels.<piece>=reference: verify logits within the bound of the FP32 reference like the all-fast
+    model, the piece's kernel never called and every other kernel still called. Negative control: in
+    the all-fast model the same spy fires (a selection that is ignored fails here)."""
+    e_fast, spy_fast = all_fast_run
+    e, spy = spied_verify(tiny_restored, kernels_cfg(**{piece: "reference"}))
+    print(f"kernels.{piece}=reference: rel err {e:.4f} (all fast {e_fast:.4f}); kernel calls "
+          f"{ {p: spy.count(p) for p in PIECE_ENTRY_POINTS} } (all fast "
+          f"{ {p: spy_fast.count(p) for p in PIECE_ENTRY_POINTS} })")
+    assert e_fast < LOGITS_BOUND and e < LOGITS_BOUND, (e_fast, e)
+    assert spy_fast.count(piece) > 0            # negative control: the spy sees the kernel when it runs
+    assert spy.count(piece) == 0
+    for other in ("attention", "moe", "norm"):
+        if other != piece:
+            assert spy.count(other) == spy_fast.count(other) > 0, other
+    if piece == "attention":                    # both layer kinds ran through the kernel when fast
+        assert spy_fast.calls["decode_attention_full"] and spy_fast.calls["decode_attention_ring"]
+
+
+@cpu_only
+@pytest.mark.parametrize("emulate", [False, True])
+def test_interpreted_reference_sampler(interp, emulate):
+    """kernels.sampler=reference: sample_rows is the reference filter + draw on the rank's slice (global
+    ids, the candidate exchange through the comm: counted under rank emulation), without the sampler
+    kernel; the default calls the kernel (negative control) and serves the same distribution."""
+    from runtime.config import make_shard
+    from runtime.fast import FastModel
+    from runtime.parallel import make_comm
+    from runtime.sampling import draw, filter_dist
+
+    cfg = tiny2(expert_width=256)      # 128-wide expert shards under TP 2
+    rt = runtime_config_from_dict({"device": "cpu", "tp": {"size": 2, "emulate_rank": 1} if emulate else {}})
+    shard, comm = make_shard(cfg, rt.tp), make_comm(rt.tp)
+    bf16 = Model(cfg, dict(random_tensors(cfg, rt.tp, seed=0)), shard, "bfloat16", "cpu", comm)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, shard.vocab_size, generator=g) * 3
+    u = torch.rand(5, generator=g)
+    s = rt.sampling
+    want_ids, want_p = filter_dist(logits, s.temperature, s.top_k, s.top_p, shard.vocab_start, None)
+    want_tok, want_idx = draw(want_ids, want_p, u)
+    out = {}
+    for sel in ("fast", "reference"):
+        with pytest.MonkeyPatch.context() as mp:
+            spy = KernelSpy(mp)
+            fm = FastModel.from_model(bf16, kernels=kernels_cfg(sampler=sel))
+            before = getattr(comm, "excluded_calls", 0)
+            out[sel] = fm.sample_rows(logits, u, s), fm.sample_rows(logits, None, s)
+            gathers = getattr(comm, "excluded_calls", 0) - before
+        assert spy.count("sampler") == (2 if sel == "fast" else 0), sel
+        assert gathers == (2 if emulate else 0), (sel, gathers)
+    (ids, p, tok, idx), (ids0, p0, tok0, idx0) = out["reference"]
+    assert torch.equal(ids, want_ids) and torch.equal(p, want_p) and torch.equal(tok, want_tok) \
+        and torch.equal(idx, want_idx)
+    assert torch.equal(ids0, want_ids) and torch.equal(tok0, want_ids[:, 0])
+    assert (ids >= shard.vocab_start).all() and (ids < shard.vocab_end).all()
+    fids, fp, ftok, _ = out["fast"][0]
+    assert torch.equal(fids, ids) and torch.equal(ftok, tok) and (fp - p).abs().max() < 1e-5
+
+
+@cpu_only
+def test_interpreted_kernel_options_reach_the_kernels(tiny_restored, all_fast_run):
+    """attention_options / moe_options arrive as keywords of every kernel call (the default passes
+    none: negative control), and the logits stay within the bound."""
+    e_fast, spy_fast = all_fast_run
+    e, spy = spied_verify(tiny_restored, kernels_cfg(attention_options={"num_splits": 3},
+                                                     moe_options={"down_nb": 2}))
+    print(f"attention_options num_splits=3, moe_options down_nb=2: rel err {e:.4f}")
+    assert e < LOGITS_BOUND
+    for name in ("decode_attention_full", "decode_attention_ring"):
+        assert spy.calls[name] and all(kw.get("num_splits") == 3 for kw in spy.calls[name]), name
+        assert spy_fast.calls[name] and all("num_splits" not in kw for kw in spy_fast.calls[name]), name
+    assert spy.calls["fused_moe_fp8"] and all(kw.get("down_nb") == 2 for kw in spy.calls["fused_moe_fp8"])
+    assert all("down_nb" not in kw for kw in spy_fast.calls["fused_moe_fp8"])
+
+
+@cpu_only
+def test_interpreted_all_reference_pieces_step_is_sync_free(interp):
+    """An engine with runtime.kernels all on reference (built from the runtime config: the engine passes
+    rt.kernels) runs a step under the host-sync guard and never calls a kernel."""
+    pieces = {p: "reference" for p in PIECE_ENTRY_POINTS}
+    rt = runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16", "kernels": pieces})
+    with pytest.MonkeyPatch.context() as mp:
+        spy = KernelSpy(mp)
+        eng = Engine(tiny2(), rt, dict(random_tensors(tiny2(), seed=0)))
+        assert eng.model.kernels == rt.kernels
+        rnd, st = eng.start(random_prompt(40, 512), 0, 32)
+        w = st.width()
+        with torch.no_grad(), forbid_host_sync():
+            rnd.verify(st, w)
+            rnd.draft_first(st, w)
+            rnd.draft_next(st, 2)
+    assert int(st.step) == 1 and int(st.n_drafts) == 2
+    assert (st.q_probs[1:3].sum(-1) - 1).abs().max() < 1e-5
+    assert spy.calls == {}
+
+
 # ------------------------------------------------------------------------------------- GPU tests
 @pytest.fixture(scope="module")
 def mini_pair():
@@ -387,3 +628,28 @@ def test_gpu_rank_emulation_q1_shard():
             frnd.draft_next(st, k)
     torch.cuda.synchronize()
     assert int(st.n_drafts) == 5 and 0 <= int(st.tokens[:6].max()) < 20000
+
+
+@pytest.mark.gpu
+def test_gpu_fingerprint_sees_triton_launch_options():
+    """The harness's step fingerprint records every Triton launch with its description, so a kernel
+    option that changes only a launch (programmatic launch off) is different step work, while the
+    same configuration built twice traces identically. Negative control: the launches are really in
+    the trace (a recorder that saw none would call every pair of fast arms identical)."""
+    from replay import fingerprint as fpm
+
+    def trace(opts):
+        e = Engine.build("q1-mini", {"device": "cuda", "backend": "fast", "dtype": "bfloat16",
+                                     "draft": {"policy": "fixed", "fixed_depth": 5},
+                                     "kernels": {"attention_options": opts}})
+        rnd, st = e.start(code_prompt(3), 0, 32)
+        return fpm.trace_width(rnd, st, 6)
+
+    base, again, no_pdl = trace({}), trace({}), trace({"pdl": False})
+    launches = [o for o in base if o.startswith("triton:")]
+    assert any(o.startswith("triton:_attn_split_v2_kernel(") and "pdl=True" in o for o in launches)
+    assert any(o.startswith("triton:_moe_gate_up_kernel(") for o in launches)
+    assert base == again
+    assert base != no_pdl
+    assert not [o for o in no_pdl if o.startswith("triton:_attn_") and "pdl=True" in o]
+    assert [o for o in base if not o.startswith("triton:")] == [o for o in no_pdl if not o.startswith("triton:")]

@@ -329,3 +329,27 @@ def test_step_times_of_a_revision_without_start_stamps_are_derived_from_duration
     new = SimpleNamespace(steps=steps, step_ns=[100, 200, 300], step_t0_ns=[10, 500, 900], tokens=[5, 6] * 3)
     rows, _ = rawout.decode_rows(new, "r", "control", 0, 7, 50, 1, t_call_ns=1_000, decode_ns=650)
     assert [r["t_start_ns"] - rawout.CLOCK_OFFSET_NS for r in rows] == [10, 500, 900]
+
+
+def test_fingerprint_records_triton_launches_only_while_installed():
+    """The Triton launch hook of the fingerprint (GPU launches call it; here it is called the way
+    Triton's launcher calls it, with a LazyDict): a launch inside the ``with`` is recorded with its
+    description, one after it is not (negative control: a hook left installed would leak records
+    into every later trace), and the hook chain is left as it was."""
+    from triton import knobs
+    from triton.compiler.compiler import LazyDict
+
+    from replay.fingerprint import TritonRecorder
+
+    def launch(name, sig):
+        md = LazyDict({"name": name, "function": 0, "stream": 0})
+        md.add(lambda: {"signature": sig}, ())
+        knobs.runtime.launch_enter_hook(md)
+
+    before = list(knobs.runtime.launch_enter_hook.calls)
+    ops: list[str] = []
+    with TritonRecorder(ops):
+        launch("_k1", "grid=(2, 1, 1) pdl=True W=6")
+    launch("_k2", "grid=(1, 1, 1)")
+    assert ops == ["triton:_k1(grid=(2, 1, 1) pdl=True W=6)"]
+    assert knobs.runtime.launch_enter_hook.calls == before

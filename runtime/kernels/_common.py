@@ -1,4 +1,4 @@
-"""Small host-side helpers shared by the Triton kernels in this package.
+"""Small helpers shared by the Triton kernels in this package (host side, plus one jit helper).
 
 Nothing here holds state beyond per-module caches of device properties (keyed by device index), so
 two copies of the package can be imported side by side.
@@ -6,8 +6,11 @@ two copies of the package can be imported side by side.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def next_pow2(n: int) -> int:
@@ -35,3 +38,38 @@ def check(cond: bool, msg: str) -> None:
     """Host-side argument check (shapes, dtypes, devices only: never a device value)."""
     if not cond:
         raise ValueError(msg)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched as programmatic dependents (griddepcontrol):
+    CUDA devices of compute capability 9.0 or later, not under the Triton interpreter."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (sm_80+ PTX; no register written, nothing waited
+    for, no value returned: a prefetch can never hand a kernel stale data)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def launch_signature(grid, metadata, args) -> dict:
+    """Triton ``launch_metadata`` of every kernel here: a description of the launch that is the same
+    for the same code and shapes in any copy of this package (grid, warps, stages, programmatic
+    launch, and every scalar argument: constexprs, strides, sizes; never a pointer or a value read
+    on the device). Triton computes it only for launch hooks: the harness's fingerprint installs
+    one while it traces a step, so that a change in a Triton launch (an option, a constexpr, a
+    grid) counts as different step work."""
+    scalars = " ".join(f"{k}={v!r}" for k, v in sorted(args.items())
+                       if isinstance(v, (bool, int, float, str)) and not isinstance(v, type(None)))
+    return {"signature": f"grid={tuple(grid)} warps={metadata.num_warps} stages={metadata.num_stages} "
+                         f"pdl={bool(getattr(metadata, 'launch_pdl', False))} {scalars}"}

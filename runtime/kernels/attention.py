@@ -55,8 +55,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, device_sm_count, next_pow2
+from ._common import check, device_sm_count, launch_signature, next_pow2, pdl_supported, prefetch_l2
 
 # Keys per inner-loop iteration. K and V tiles of 64 x 128 BF16 are 16 KiB each, so one pipeline
 # stage is 32 KiB; with NUM_STAGES = 3 and the Q tile the program fits in shared memory while the
@@ -68,6 +69,10 @@ NUM_STAGES = 4   # 3 until session 10: with the one-load combine, 4 stages measu
 FUSED_NUM_STAGES = 3
 # One warpgroup: the 64-row packed Q tile is exactly one Hopper wgmma M=64 tile.
 NUM_WARPS = 4
+# Smallest packed-row tile (keyword min_block_m): w * G rows padded to a power of two, at least this.
+# 64 (one wgmma M tile) since session 11: at w = 4 (24 rows) a 32-row tile measured 192K 36.3 -> 33.2
+# us, 64K 17.6 -> 16.0 us with v2 + PDL on the H200.
+MIN_BLOCK_M = 64
 # Splits per multiprocessor for the default num_splits: one long-running program per SM.
 SPLITS_PER_SM = 1
 # Combine: 32 head-dim columns per program (48 rows x 4 slices = 192 programs at d = 128) and up to
@@ -77,8 +82,15 @@ COMBINE_BLOCK_D = 32
 COMBINE_BLOCK_S = 256   # all of 132 splits in one load (was 32: 5 dependent loads; 64K 18.4 -> 17.3 us)
 # Kernel variant: "v1" = split kernel + combine kernel (two launches); "fused" = one launch whose
 # extra combine programs wait on a self-resetting arrival counter (``_attn_fused_kernel``).
-VARIANT = "v1"
-VARIANTS = ("v1", "fused")
+VARIANT = "v2"   # since session 11 (v1 before): 192K 35.2 -> 33.7 us at w = 6/8 with PDL
+VARIANTS = ("v1", "fused", "v2")
+# v2 = v1's two launches with ``_attn_split_v2_kernel`` (mask work only at the range's end, Q loaded
+# before start_pos is known). PDL: the combine kernel is launched as a programmatic dependent of the
+# split kernel (sm_90+, CUDA only; keyword ``pdl``), so its launch and prologue overlap the splits.
+PDL = True
+# v2 with PDL: key blocks per split asked of L2 before the split's wait (keyword ``prefetch``). 0: the
+# H200 measured no gain from 2 and losses from 4 and 8 (64K w = 6: 16.4 / 16.0 / 17.2 / 19.9 us).
+PREFETCH_BLOCKS = 0
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -122,6 +134,48 @@ def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
+def _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo, seq_end, b, m_i, l_i,
+                  acc, WINDOW, R, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One key block with every mask (range end, causal boundary, window, ring slots): the online
+    softmax state (m, l, acc) after key block ``b`` of the logical range starting at ``lo``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_ok = pos < seq_end
+    if IS_RING:
+        slot = pos % R
+    else:
+        slot = pos
+    k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale_log2
+    vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+    if IS_RING:
+        vis = vis & (pos[None, :] > q_pos[:, None] - WINDOW)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
+                   m_i, l_i, acc, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A split's un-normalised partial (acc, m, l) for the valid packed rows."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc_ptr = ACC + kvh * stride_ah + split * stride_as
+    tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc, mask=row_ok[:, None])
+    ml_ptr = ML + kvh * stride_mh + split * stride_ms
+    tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
+    tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+
+
+@triton.jit
 def _split_partial(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn, stride_vh, stride_vn,
                    stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, lo, seq_end,
                    b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -136,35 +190,13 @@ def _split_partial(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, strid
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for b in range(b_begin, b_end):
-        pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_ok = pos < seq_end
-        if IS_RING:
-            slot = pos % R
-        else:
-            slot = pos
-        k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                    mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale_log2
-        vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        if IS_RING:
-            vis = vis & (pos[None, :] > q_pos[:, None] - WINDOW)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                    mask=key_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    acc_ptr = ACC + kvh * stride_ah + split * stride_as
-    tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc, mask=row_ok[:, None])
-    ml_ptr = ML + kvh * stride_mh + split * stride_ms
-    tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
-    tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+        m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
+                                      seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
+    _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
+                   m_i, l_i, acc, BLOCK_M, HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"])
+@triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"], launch_metadata=launch_signature)
 def _attn_split_kernel(
     Q, K, V, ACC, ML, START,
     stride_qw, stride_qh,
@@ -190,7 +222,101 @@ def _attn_split_kernel(
                        IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["W", "WINDOW", "NUM_SPLITS"])
+@triton.jit
+def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn, stride_vh, stride_vn,
+                      stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, start, lo, seq_end,
+                      b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr):
+    """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
+    below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
+    it (all but the last one or two of the range) run a loop without masks, without the -inf
+    select, with one pointer increment per block instead of per-key index arithmetic, and with the
+    softmax scale folded into the exponent (exp2(s * scale - m): one FMA); the remaining blocks
+    (and every block of a ring, whose window bound and slot wrap can bind anywhere) take
+    ``_masked_block``. Same partials as v1 up to the rounding of s * scale. ``MID_BUG`` (negative
+    control of the tests) runs every block below the range's end unmasked, the causal boundary too."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if IS_RING:
+        b_mid = b_begin
+    else:   # lo = 0: block b is [b * BLOCK_N, (b + 1) * BLOCK_N), unmasked iff it ends at or below start
+        if MID_BUG:
+            b_mid = tl.maximum(tl.minimum(b_end, seq_end // BLOCK_N), b_begin)
+        else:
+            b_mid = tl.maximum(tl.minimum(b_end, start // BLOCK_N), b_begin)
+    row0 = (b_begin * BLOCK_N + offs_n).to(tl.int64)
+    k_ptrs = k_base + row0[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = v_base + row0[:, None] * stride_vn + offs_d[None, :]
+    for b in range(b_begin, b_mid):
+        k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+        p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    for b in tl.range(b_mid, b_end, num_stages=1):
+        m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
+                                      seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
+    _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
+                   m_i, l_i, acc, BLOCK_M, HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"], launch_metadata=launch_signature)
+def _attn_split_v2_kernel(
+    Q, K, V, ACC, ML, START,
+    stride_qw, stride_qh,
+    stride_kh, stride_kn,
+    stride_vh, stride_vn,
+    stride_ah, stride_as, stride_am,
+    stride_mh, stride_ms,
+    qk_scale_log2, W, WINDOW, R, NUM_SPLITS,
+    G: tl.constexpr, IS_RING: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+):
+    """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
+    is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
+    programmatic dependent of the previous kernel: before griddepcontrol.wait it reads start_pos and
+    asks L2 for its first PREFETCH unmasked key blocks (K and V rows below start_pos, written by
+    earlier steps; a prefetch returns no data, so it cannot read a stale value: the loop's loads come
+    after the wait), then waits, releases its own dependent (the combine) and loads Q. Assumption
+    (documented on ``decode_attention_full``): start_pos is not written by the kernel launched
+    immediately before the call."""
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    start = tl.load(START).to(tl.int32)
+    lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
+    b_begin = split * per_split
+    b_end = tl.minimum(b_begin + per_split, n_blocks)
+    if PDL:
+        if not IS_RING:
+            last = tl.maximum(tl.minimum(b_end, start // BLOCK_N) * BLOCK_N - 1, 0)
+            for j in tl.static_range(PREFETCH):
+                rows = tl.minimum((b_begin + j) * BLOCK_N + tl.arange(0, BLOCK_N), last).to(tl.int64)
+                for c in tl.static_range(max(1, HEAD_DIM // 64)):   # 128-byte lines of a BF16 row
+                    prefetch_l2(K + kvh.to(tl.int64) * stride_kh + rows * stride_kn + c * 64)
+                    prefetch_l2(V + kvh.to(tl.int64) * stride_vh + rows * stride_vn + c * 64)
+        gdc_wait()
+        gdc_launch_dependents()
+    q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
+    if b_begin < b_end:
+        _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
+                          stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
+                          qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
+                          IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG)
+
+
+@triton.jit(do_not_specialize=["W", "WINDOW", "NUM_SPLITS"], launch_metadata=launch_signature)
 def _attn_combine_kernel(
     ACC, ML, SINKS, OUT, START,
     stride_ah, stride_as, stride_am,
@@ -199,7 +325,7 @@ def _attn_combine_kernel(
     W, WINDOW, NUM_SPLITS,
     NH: tl.constexpr, G: tl.constexpr, IS_RING: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     dblk = tl.program_id(1)
@@ -210,6 +336,8 @@ def _attn_combine_kernel(
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
     n_active = tl.cdiv(n_blocks, per_split)
+    if PDL:   # launched as a programmatic dependent of the split kernel: its partials are complete
+        gdc_wait()   # and visible past this point (start_pos was written before the split began)
 
     ml_ptr = ML + kvh * stride_mh + m_row
     offs_s = tl.arange(0, BLOCK_S)
@@ -237,7 +365,7 @@ def _attn_combine_kernel(
     tl.store(OUT + i * stride_ow + h * stride_oh + offs_d, (num / den).to(OUT.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"])
+@triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"], launch_metadata=launch_signature)
 def _attn_fused_kernel(
     Q, K, V, ACC, ML, SINKS, OUT, START, CNT,
     stride_qw, stride_qh,
@@ -355,7 +483,9 @@ def _fused_counters(device, nkv, workspace):
 
 def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_splits, validate=True,
             block_n=None, num_stages=None, num_warps=None, variant=None, workspace=None,
-            combine_block_d=None, combine_block_s=None, _drop_last=False):
+            combine_block_d=None, combine_block_s=None, pdl=None, prefetch=None, min_block_m=None,
+            _drop_last=False,
+            _mid_bug=False, _pdl_no_wait=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -369,8 +499,9 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     check(start_pos.numel() == 1 and not start_pos.is_floating_point(), "start_pos: one integer")
     check(start_pos.device == q.device, "start_pos on the device of q")
     G = nh // nkv
-    block_m = max(16, next_pow2(w * G))
-    check(block_m <= 128, f"w * nh / nkv = {w * G} packed rows: at most 128 supported")
+    block_m = max(MIN_BLOCK_M if min_block_m is None else int(min_block_m), next_pow2(w * G))
+    check(block_m <= 128 and block_m in (16, 32, 64, 128),
+          f"w * nh / nkv = {w * G} packed rows (min_block_m {min_block_m}): a tile of 16-128 rows")
     if ring:
         check(window >= 1, "window >= 1")
         if validate:
@@ -414,7 +545,16 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
         )
         return out
     check(not _drop_last, "_drop_last: fused variant only")
-    _attn_split_kernel[(num_splits, nkv)](
+    pdl = pdl_supported(q.device) and (PDL if pdl is None else bool(pdl))
+    check(not _mid_bug or variant == "v2", "_mid_bug: v2 only")
+    # _pdl_no_wait (negative control of the tests): the combine is launched early but skips its wait.
+    prefetch = PREFETCH_BLOCKS if prefetch is None else int(prefetch)
+    check(prefetch >= 0, "prefetch >= 0")
+    split_kernel, extra = ((_attn_split_v2_kernel, dict(PDL=pdl, MID_BUG=bool(_mid_bug), PREFETCH=prefetch))
+                           if variant == "v2" else (_attn_split_kernel, {}))
+    if pdl and variant == "v2":   # v2's split is itself a programmatic dependent of the previous kernel
+        extra["launch_pdl"] = True
+    split_kernel[(num_splits, nkv)](
         q, k, v, acc, ml, start_pos,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -424,8 +564,10 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
         qk_scale_log2, w, int(window), int(slots), num_splits,
         G=G, IS_RING=ring, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         num_warps=NUM_WARPS if num_warps is None else num_warps,
-        num_stages=NUM_STAGES if num_stages is None else num_stages,
+        num_stages=NUM_STAGES if num_stages is None else num_stages, **extra,
     )
+    # v1's split kernel does not signal its dependents early; its combine may still be a programmatic
+    # dependent (it then starts when the last split exits, before the kernel's completion is flushed).
     block_d = min(COMBINE_BLOCK_D if combine_block_d is None else combine_block_d, d)
     block_s = max(16, next_pow2(num_splits))
     sub_s = min(COMBINE_BLOCK_S if combine_block_s is None else combine_block_s, block_s)
@@ -437,35 +579,41 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
         w, int(window), num_splits,
         NH=nh, G=G, IS_RING=ring, HAS_SINK=has_sink,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s,
-        SUB_S=sub_s, BLOCK_D=block_d,
-        num_warps=4,
+        SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and not _pdl_no_wait,
+        num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
 
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
-                          variant=None, workspace=None):
+                          variant=None, workspace=None, pdl=None, prefetch=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
     written at start_pos .. start_pos + w - 1; start_pos a 0-dim or [1] integer device tensor; sinks
     [nh] FP32 (or None for no sink). Row i (position start_pos + i) sees keys j <= start_pos + i.
     Returns out [w, nh, d] (written into ``out`` when given). No host synchronisation.
-    ``variant``: "v1" (split + combine kernels) or "fused" (one launch); None: module ``VARIANT``.
-    ``workspace``: fused only, see ``_fused_counters``.
+    ``variant``: "v1" (split + combine kernels), "v2" (v1 with the split kernel that masks only the
+    boundary blocks) or "fused" (one launch); None: module ``VARIANT``.
+    ``workspace``: fused only, see ``_fused_counters``. ``pdl``: launch the combine kernel as a
+    programmatic dependent (v1/v2, CUDA sm_90+; ignored elsewhere); None: module ``PDL``. With v2
+    the split kernel is a programmatic dependent of the kernel before the call too: it reads
+    ``start_pos`` and L2-prefetches ``prefetch`` key blocks (None: PREFETCH_BLOCKS) before waiting for
+    that kernel, so ``start_pos`` must not be written by the kernel launched immediately before
+    (the runtime writes positions at the start of a round); q and the new K/V rows may be.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
-                   num_splits=num_splits, variant=variant, workspace=workspace)
+                   num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
-                          variant=None, workspace=None):
+                          variant=None, workspace=None, pdl=None, prefetch=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host).
     """
     return _launch(q, k_ring, v_ring, start_pos, sinks, out, ring=True, window=int(window),
-                   num_splits=num_splits, variant=variant, workspace=workspace)
+                   num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

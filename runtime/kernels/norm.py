@@ -15,14 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, next_pow2
+from ._common import check, launch_signature, next_pow2
 
 # Warps per row: 16 warps x 32 threads x 16 B loads cover a 6,144-wide BF16 row in under two
 # vector loads per thread, so each row's single pass is latency-, not issue-bound.
 NUM_WARPS = 16
 
 
-@triton.jit
+@triton.jit(launch_metadata=launch_signature)
 def _add_rmsnorm_kernel(X, RES, WT, OUT, stride_x, stride_r, stride_o, eps,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr):
     row = tl.program_id(0)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, next_pow2
+from ._common import check, launch_signature, next_pow2
 
 # Elements per pass-1 step (TILE_ROWS x NCH): 8,192 FP32 = 32 KiB of loads in flight per program.
 TILE_ELEMS = 8192
@@ -81,7 +81,7 @@ def _select(x, KP: tl.constexpr, K: tl.constexpr, BITONIC: tl.constexpr):
     return r
 
 
-@triton.jit
+@triton.jit(launch_metadata=launch_signature)
 def _sample_kernel(
     LOGITS, U, TEMP, IDS, PROBS, TOKEN, INDEX,
     stride_l, stride_ids, stride_probs, temp_value, top_p,

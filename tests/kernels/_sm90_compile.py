@@ -68,6 +68,9 @@ def _launch_everything(A, M, Nm, S):
                 A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132, variant=variant)
                 A.decode_attention_ring(q, k, k, sp, torch.zeros(6), window, num_splits=132,
                                         variant=variant)
+            for variant in ("v1", "v2"):      # the combine as a programmatic dependent
+                A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132, variant=variant,
+                                        pdl=True)
         w13 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn)
         s13 = torch.ones(E, 2 * I // 128, H // 128)
         w2 = torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
@@ -84,6 +87,9 @@ def _launch_everything(A, M, Nm, S):
             for f16, nb in ((False, 1), (False, 8), (True, 8)):   # BF16 / FP16 operands; v1 Down
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug,
                                 gu_f16=f16, down_f16=f16, down_nb=nb)
+            for pf, rb in ((2, None), (0, 256)):                # programmatic dependent launches
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
+                                down_prefetch=pf, red_block_h=rb)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
         for rdt in (bf, torch.float32):
@@ -104,6 +110,8 @@ def main():
     sink = []
     drv.set_active(_Sm90Driver())
     mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler")]
+    for m in mods[:2]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
+        m.pdl_supported = lambda device: True
     _launch_everything(*mods)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):

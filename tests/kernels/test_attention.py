@@ -20,6 +20,7 @@ TOL = 2e-2  # BF16 P and BF16 output: ~3e-3 typical (5e-3 in the interpreter, wh
 
 Q1 = dict(nh=6, nkv=1, d=128, window=4096)
 MINI = dict(nh=6, nkv=1, d=64, window=512)
+VARIANTS = ["v1", "fused", "v2"]
 
 
 def _dev():
@@ -109,7 +110,7 @@ def _split_edges(A):
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("ctx", [0, 1, 63, 64, 65, 4096, 65536, 196608])
-@pytest.mark.parametrize("variant", ["v1", "fused"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_full_q1(w, ctx, variant):
     A = load_kernels("attention")
     start = max(0, ctx - w)
@@ -117,9 +118,51 @@ def test_full_q1(w, ctx, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 6, 8])
+@pytest.mark.parametrize("ctx", [1, 65, 4096, 65536, 196608])
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_full_and_ring_q1_pdl(w, ctx, variant):
+    """The combine launched as a programmatic dependent (griddepcontrol) reads complete partials."""
+    A = load_kernels("attention")
+    assert run_full(A, Q1, w, ctx - w if ctx > w else 0, seed=ctx + w, variant=variant, pdl=True) < TOL
+    assert run_ring(A, Q1, w, ctx + 5000, seed=ctx + w + 1, variant=variant, pdl=True) < TOL
+
+
+@pytest.mark.gpu
+def test_pdl_without_the_wait_is_caught():
+    """Negative control of the PDL tests: v2's combine is launched early (the splits release their
+    dependent at their start) and must wait for the partials; one that skips griddepcontrol.wait
+    (``_pdl_no_wait``) merges the previous replay's partials. In a CUDA graph the launches are back
+    to back (eagerly, the first call of a variant compiles it and the race never happens); 64 splits
+    leave SMs free for the early combine programs."""
+    A = load_kernels("attention")
+    w = 8
+    q, k, v, sinks = make_full(w, 6, 1, 128, 196608, seed=11)
+    sp = torch.zeros((), dtype=torch.int32, device="cuda")
+    worst = {}
+    for no_wait in (False, True):
+        kw = dict(ring=False, window=0, variant="v2", pdl=True, num_splits=64, _pdl_no_wait=no_wait)
+        out = torch.empty_like(q)
+        A._launch(q, k, v, sp, sinks, out, **kw)   # compile outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            A._launch(q, k, v, sp, sinks, out, **kw)
+        worst[no_wait] = 0.0
+        for start in (196608 - w, 1000, 150000, 5, 196608 - w, 90000):
+            sp.fill_(start)
+            out.fill_(float("nan"))
+            g.replay()
+            ref = A.attention_reference(q, k, v, start, sinks)
+            worst[no_wait] = max(worst[no_wait], max_row_rel_err(out, ref))
+        del g
+    assert worst[False] < TOL and worst[True] > TOL, worst
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 8])
 @pytest.mark.parametrize("edge", range(4))
-@pytest.mark.parametrize("variant", ["v1", "fused"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_full_split_boundaries(w, edge, variant):
     A = load_kernels("attention")
     L = _split_edges(A)[edge]
@@ -128,7 +171,7 @@ def test_full_split_boundaries(w, edge, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 7, 500])
-@pytest.mark.parametrize("variant", ["v1", "fused"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_full_other_split_counts(num_splits, variant):
     A = load_kernels("attention")
     assert run_full(A, Q1, 8, 20000, seed=num_splits, num_splits=num_splits, variant=variant) < TOL
@@ -137,7 +180,7 @@ def test_full_other_split_counts(num_splits, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 6, 8])
 @pytest.mark.parametrize("start", [0, 5, 4090, 4095, 4096, 4159, 4160, 4161, 3 * 4160 + 17, 200003])
-@pytest.mark.parametrize("variant", ["v1", "fused"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_ring_q1(w, start, variant):
     A = load_kernels("attention")
     assert run_ring(A, Q1, w, start, seed=start * 10 + w, variant=variant) < TOL
@@ -146,7 +189,7 @@ def test_ring_q1(w, start, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 8])
 @pytest.mark.parametrize("start", [0, 300, 511, 575, 576, 1300, 70001])
-@pytest.mark.parametrize("variant", ["v1", "fused"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_mini(w, start, variant):
     A = load_kernels("attention")
     assert run_full(A, MINI, w, start, seed=start + w, variant=variant) < TOL
@@ -168,7 +211,7 @@ def test_full_q1_combine_tiles(cd, cs, w, ctx):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
-@pytest.mark.parametrize("variant", ["v1", "fused"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_negative_controls(shape, variant):
     A = load_kernels("attention")
     nh = shape["nh"]
@@ -197,12 +240,13 @@ def test_fused_counter_reset_and_repeat():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "fused"])
-def test_graph_capture_replays_with_new_positions(variant):
+@pytest.mark.parametrize("variant,pdl", [(v, False) for v in VARIANTS] + [("v1", True), ("v2", True)])
+def test_graph_capture_replays_with_new_positions(variant, pdl):
     """Captured once; start_pos changed on the device; replays read the new extent. The graph holds
-    two calls of each kind (fused: consecutive calls share one counter buffer)."""
+    two calls of each kind (fused: consecutive calls share one counter buffer; pdl: the combine
+    kernels are programmatic dependents, captured as programmatic edges)."""
     A = load_kernels("attention")
-    kw = dict(variant=variant)
+    kw = dict(variant=variant, pdl=pdl)
     w, d = 8, 128
     q, k, v, sinks = make_full(w, 6, 1, d, 70000, seed=3)
     kr = k[:, :4160].contiguous()
@@ -236,16 +280,41 @@ def test_graph_capture_replays_with_new_positions(variant):
 @cpu_only
 @pytest.mark.parametrize("w,start,splits", [(8, 0, 3), (5, 700, 3), (8, 64 * 3 * 2 - 8, 3),
                                             (6, 64 * 3 * 2 - 5, 3)])
-def test_interp_full_mini(w, start, splits):
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_interp_full_mini(w, start, splits, variant):
     A = load_kernels("attention")
-    assert run_full(A, MINI, w, start, seed=start + w, num_splits=splits) < TOL
+    assert run_full(A, MINI, w, start, seed=start + w, num_splits=splits, variant=variant) < TOL
 
 
 @cpu_only
 @pytest.mark.parametrize("w,start", [(8, 1300), (4, 3), (7, 575)])
-def test_interp_ring_mini(w, start):
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_interp_ring_mini(w, start, variant):
     A = load_kernels("attention")
-    assert run_ring(A, MINI, w, start, seed=start + w, num_splits=3) < TOL
+    assert run_ring(A, MINI, w, start, seed=start + w, num_splits=3, variant=variant) < TOL
+
+
+@cpu_only
+@pytest.mark.parametrize("min_block_m", [16, 32])
+def test_interp_small_row_tiles(min_block_m):
+    """The packed-row tile below the default 64 rows (w * G = 24 rows at w = 4: 32 rows, or 24
+    padded to 32 from a 16 minimum); with the sinkless negative control."""
+    A = load_kernels("attention")
+    kw = dict(num_splits=3, min_block_m=min_block_m)
+    assert run_full(A, MINI, 4, 700, seed=min_block_m, **kw) < TOL
+    assert run_ring(A, MINI, 4, 1300, seed=min_block_m + 1, **kw) < TOL
+    no_sink = torch.full((MINI["nh"],), float("-inf"))
+    assert run_full(A, MINI, 4, 700, seed=min_block_m, sinks_override=no_sink, **kw) > TOL
+
+
+@cpu_only
+@pytest.mark.parametrize("w,start", [(8, 700), (5, 64 * 4 - 2)])
+def test_interp_v2_mid_bug_is_caught(w, start):
+    """v2's unmasked loop must stop below the causal boundary: letting it run to the range's end
+    (``_mid_bug``) leaks future keys into the earlier rows and must fail the bound."""
+    A = load_kernels("attention")
+    assert run_full(A, MINI, w, start, seed=start, num_splits=2, variant="v2") < TOL
+    assert run_full(A, MINI, w, start, seed=start, num_splits=2, variant="v2", _mid_bug=True) > TOL
 
 
 @cpu_only

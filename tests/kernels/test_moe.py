@@ -165,10 +165,12 @@ ROUTINGS = ((2, "random"), (3, "same"), (4, "shared"))
 
 
 @pytest.mark.gpu
-def test_graph_capture_replays_with_new_routing():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_graph_capture_replays_with_new_routing(pdl):
+    """pdl: the Down and the reduce are captured as programmatic dependents."""
     M = load_kernels("moe")
     w13, s13, w2, s2 = _q1_weights()
-    g, x, ids, tw, out = _captured_moe(M)
+    g, x, ids, tw, out = _captured_moe(M, pdl=pdl)
     for seed, kind in ROUTINGS:
         new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
         ids.copy_(new_ids)
@@ -177,6 +179,46 @@ def test_graph_capture_replays_with_new_routing():
         g.replay()
         emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
         assert rel_err(out, emu) < TOL_EMU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch,red_block_h", [(0, None), (2, None), (8, 256), (3, 2048)])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (5, "random")])
+def test_q1_shard_pdl(w, kind, prefetch, red_block_h):
+    """Gate/Up -> wide Down -> reduce as programmatic dependents (L2 prefetch before the Down's
+    wait), against the reference; negative control: the wrong scale block (the missing wait's is
+    ``test_pdl_without_the_wait_is_caught``)."""
+    M = load_kernels("moe")
+    kw = dict(pdl=True, down_prefetch=prefetch, red_block_h=red_block_h, down_nb=8)
+    errs = run_case(M, Q1, w, kind, seed=700 + w, weights=_q1_weights(), **kw)
+    assert _ok(errs), errs
+    assert _rejected(run_case(M, Q1, w, kind, seed=701 + w, weights=_q1_weights(), _scale_bug=True, **kw))
+
+
+@pytest.mark.gpu
+def test_pdl_without_the_wait_is_caught():
+    """Negative control of the PDL tests: the wide Down, launched while Gate/Up runs, must wait for
+    the activations; one that skips griddepcontrol.wait (``_pdl_no_wait``) reads the previous
+    replay's. In a CUDA graph the launches are back to back (eagerly, the first call of a variant
+    compiles it and the race never happens); "same" routing leaves most SMs free for early Down
+    programs."""
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = _q1_weights()
+    worst = {}
+    for no_wait in (False, True):
+        g, x, ids, tw, out = _captured_moe(M, w=8, pdl=True, _pdl_no_wait=no_wait)
+        worst[no_wait] = 0.0
+        for seed, kind in ROUTINGS + ((5, "same"), (6, "same"), (7, "random")):
+            new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
+            ids.copy_(new_ids)
+            tw.copy_(new_tw)
+            x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
+            out.fill_(float("nan"))
+            g.replay()
+            emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
+            worst[no_wait] = max(worst[no_wait], rel_err(out, emu))
+        del g
+    assert worst[False] < TOL_EMU and worst[True] > TOL_EMU, worst
 
 
 @pytest.mark.gpu
