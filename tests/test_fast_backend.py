@@ -171,17 +171,24 @@ def test_interpreted_verify_logits_match_reference(interp):
             assert eb > LOGITS_BOUND, eb
 
 
-@cpu_only
-def test_interpreted_step_is_sync_free(interp):
-    """verify / draft_first / draft_next of the fast backend under the host-sync guard."""
-    eng = Engine(tiny2(), runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16"}),
-                 dict(random_tensors(tiny2(), seed=0)))
+def sync_free_step(eng):
+    """One step (verify, draft_first, one draft_next) of a fresh 40-token request under the
+    host-sync guard; returns (state, width)."""
     rnd, st = eng.start(random_prompt(40, 512), 0, 32)
     w = st.width()
     with torch.no_grad(), forbid_host_sync():
         rnd.verify(st, w)
         rnd.draft_first(st, w)
         rnd.draft_next(st, 2)
+    return st, w
+
+
+@cpu_only
+def test_interpreted_step_is_sync_free(interp):
+    """verify / draft_first / draft_next of the fast backend under the host-sync guard."""
+    eng = Engine(tiny2(), runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16"}),
+                 dict(random_tensors(tiny2(), seed=0)))
+    st, w = sync_free_step(eng)
     assert int(st.step) == 1 and int(st.n_drafts) == 2
     assert 0 <= int(st.accepted) <= w - 1
     assert (st.q_probs[1:3].sum(-1) - 1).abs().max() < 1e-5
@@ -442,12 +449,7 @@ def test_interpreted_all_reference_pieces_step_is_sync_free(interp):
         spy = KernelSpy(mp)
         eng = Engine(tiny2(), rt, dict(random_tensors(tiny2(), seed=0)))
         assert eng.model.kernels == rt.kernels
-        rnd, st = eng.start(random_prompt(40, 512), 0, 32)
-        w = st.width()
-        with torch.no_grad(), forbid_host_sync():
-            rnd.verify(st, w)
-            rnd.draft_first(st, w)
-            rnd.draft_next(st, 2)
+        st, _ = sync_free_step(eng)
     assert int(st.step) == 1 and int(st.n_drafts) == 2
     assert (st.q_probs[1:3].sum(-1) - 1).abs().max() < 1e-5
     assert spy.calls == {}

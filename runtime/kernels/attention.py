@@ -84,9 +84,9 @@ COMBINE_BLOCK_S = 256   # all of 132 splits in one load (was 32: 5 dependent loa
 # extra combine programs wait on a self-resetting arrival counter (``_attn_fused_kernel``).
 VARIANT = "v2"   # since session 11 (v1 before): 192K 35.2 -> 33.7 us at w = 6/8 with PDL
 VARIANTS = ("v1", "fused", "v2")
-# v2 = v1's two launches with ``_attn_split_v2_kernel`` (mask work only at the range's end, Q loaded
-# before start_pos is known). PDL: the combine kernel is launched as a programmatic dependent of the
-# split kernel (sm_90+, CUDA only; keyword ``pdl``), so its launch and prologue overlap the splits.
+# v2 = v1's two launches with ``_attn_split_v2_kernel`` (mask work only at the range's end). PDL: the
+# combine kernel is a programmatic dependent of the split kernel, and v2's split one of the kernel
+# before the call (sm_90+, CUDA only; keyword ``pdl``), so launches and prologues overlap.
 PDL = True
 # v2 with PDL: key blocks per split asked of L2 before the split's wait (keyword ``prefetch``). 0: the
 # H200 measured no gain from 2 and losses from 4 and 8 (64K w = 6: 16.4 / 16.0 / 17.2 / 19.9 us).
