@@ -149,6 +149,11 @@ def bench_attention(copy_bw, l2, sweep):
                 ("v2p_spl264_st3", dict(v2p, num_splits=264, num_stages=3)),
                 ("v2p_spl264_st2", dict(v2p, num_splits=264, num_stages=2))]
     every_shape |= {name for name, _ in configs[-6:]}
+    # session 12: the defaults before it (two-round-trip combine of 4 warps, no boundary-block
+    # prefetch), and TMA tiles; ab_attention.py compares options pairwise, in alternation
+    configs += [("s11_default", dict(combine_one_load=False, combine_num_warps=4, tail_prefetch=False)),
+                ("v2_tma", dict(tma=True))]
+    every_shape |= {"s11_default", "v2_tma"}
     # v1 combine tiles (head-dim columns x splits per load), at the long contexts, every width
     tiles = [(32, 32), (64, 256)]
     long_only = {f"v1_cd{cd}_cs{cs}" for cd, cs in tiles} | {"v1_spl198", "v1_st3", "v1_st5"}
@@ -199,13 +204,9 @@ def bench_attention(copy_bw, l2, sweep):
                         continue
                 elif name not in every_shape and not (w == 8 and (mode == "ring" or long_ctx)):
                     continue
-                calls = [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o: A._launch(
+                calls = [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, cfg=cfg: A._launch(
                     q, k, v, sp, s, o, ring=mode == "ring", window=window if mode == "ring" else 0,
-                    num_splits=cfg.get("num_splits"), block_n=cfg.get("block_n"),
-                    num_stages=cfg.get("num_stages"), num_warps=cfg.get("num_warps"),
-                    variant=cfg.get("variant"), combine_block_d=cfg.get("combine_block_d"),
-                    combine_block_s=cfg.get("combine_block_s"), pdl=cfg.get("pdl"),
-                    prefetch=cfg.get("prefetch"), min_block_m=cfg.get("min_block_m")))
+                    **{"num_splits": None, **cfg}))
                     for q, k, v, s, sp, o in data]
                 record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
                        ref_calls=ref_calls if name == "default" else None,

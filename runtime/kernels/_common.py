@@ -45,10 +45,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def compiled_cuda(device: torch.device) -> bool:
+    """Whether kernels on ``device`` run compiled on a CUDA GPU (not under the Triton interpreter,
+    which has no inline PTX)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched as programmatic dependents (griddepcontrol):
     CUDA devices of compute capability 9.0 or later, not under the Triton interpreter."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not compiled_cuda(device):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9

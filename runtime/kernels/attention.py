@@ -28,9 +28,10 @@ device value, so the launch can be captured in a CUDA graph):
 
 Combine kernel ``_attn_combine_kernel``, grid (w * nh, d / COMBINE_BLOCK_D): program (row, head,
 d-slice) recomputes the number of active splits from ``start_pos``, takes M = max(sink, max_s m_s),
-and sums  num = sum_s 2^(m_s - M) acc_s,  den = sum_s 2^(m_s - M) l_s + 2^(sink - M)  in FP32,
-COMBINE_BLOCK_S splits at a time (a tree inside each group, a fixed sequential order across groups:
-deterministic, no atomics). out = num / den in BF16. The sink is a per-head logit with zero value:
+and sums  num = sum_s 2^(m_s - M) acc_s,  den = sum_s 2^(m_s - M) l_s + 2^(sink - M)  in FP32:
+by default every split's m, l and acc slice is requested at once (one L2 round trip, a tree sum);
+with fewer than all splits per load (COMBINE_BLOCK_S) in chunks, a tree inside each chunk and a fixed
+sequential order across chunks: deterministic, no atomics. out = num / den in BF16. The sink is a per-head logit with zero value:
 it only enters the denominator.
 
 Fused variant ``_attn_fused_kernel`` (``variant="fused"``): one launch instead of two. The grid is
@@ -55,9 +56,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
-from ._common import check, device_sm_count, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from ._common import check, compiled_cuda, device_sm_count, launch_signature, next_pow2, pdl_supported, prefetch_l2
 
 # Keys per inner-loop iteration. K and V tiles of 64 x 128 BF16 are 16 KiB each, so one pipeline
 # stage is 32 KiB; with NUM_STAGES = 3 and the Q tile the program fits in shared memory while the
@@ -91,6 +92,20 @@ PDL = True
 # v2 with PDL: key blocks per split asked of L2 before the split's wait (keyword ``prefetch``). 0: the
 # H200 measured no gain from 2 and losses from 4 and 8 (64K w = 6: 16.4 / 16.0 / 17.2 / 19.9 us).
 PREFETCH_BLOCKS = 0
+# Combine: request every split's m, l and acc slice at once after the wait (one L2 round trip;
+# keyword combine_one_load). Session 12, paired A/B (40 rounds, w = 6): the previous combine (m and
+# l first, then acc) took 1.021 / 1.014 / 1.012 of this one's time at 4K / 64K / 192K.
+COMBINE_ONE_LOAD = True
+# Warps per combine program (keyword combine_num_warps). 2 since session 12 (paired A/B, 40 rounds:
+# 4K 0.961 / 0.971 of 4 warps' time at w = 6 / 8; 64K and 192K within noise).
+COMBINE_NUM_WARPS = 2
+# v2 full layers: the split owning the boundary (masked) key blocks asks L2 for them at its start, so
+# that the masked loop (not pipelined) does not pay a DRAM round trip per load (keyword tail_prefetch).
+TAIL_PREFETCH = True   # session 12 (paired A/B): 4K 0.938 / 0.961, 64K 0.980 / 0.993 at w = 6 / 8
+# v2: K/V tiles of the unmasked loop through TMA descriptors (keyword tma; caches whose first two
+# dimensions flatten to [nkv * slots, d] rows). Off: session 12's paired A/B measured 64K / 192K
+# within noise of the pointer loads (4K 0.96-0.97), so the simpler path stays.
+TMA = False
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -103,6 +118,32 @@ FUSED_TILE = 8192
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
+# Timeline records (diagnostic keyword ``_timeline``): per program (smid, t_entry, t_wait, t_end, t_a,
+# t_b) in globaltimer nanoseconds; combine only: t_a = m and l arrived and reduced (den), t_b = the
+# weighted sum of the partials done (split: 0; stamps inside its loop cost more than they show). See
+# ``experiments/timeline_attention.py``.
+TIMELINE_FIELDS = 6
+
+
+@triton.jit
+def _stamp(TL, prog, field: tl.constexpr, TIMELINE: tl.constexpr):
+    """Diagnostics only (compiled out unless TIMELINE): the global timer (and at field 1 the SM) of
+    program ``prog`` into its timeline record."""
+    if TIMELINE:
+        rec = TL + prog.to(tl.int64) * 6
+        if field == 1:
+            tl.store(rec, smid().to(tl.int64))
+        tl.store(rec + field, globaltimer())
+
+
+@triton.jit
+def _stamp_after(TL, prog, field: tl.constexpr, x, TIMELINE: tl.constexpr):
+    """``_stamp`` once the FP32 scalar ``x`` has been computed (the timer read takes it as an input)."""
+    if TIMELINE:
+        t = tl.inline_asm_elementwise(
+            "{ .reg .b32 z; and.b32 z, $1, 0; mov.u64 $0, %globaltimer; }", "=l,r",
+            [x.to(tl.int32, bitcast=True)], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(TL + prog.to(tl.int64) * 6 + field, t)
 
 
 @triton.jit
@@ -226,7 +267,8 @@ def _attn_split_kernel(
 def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn, stride_vh, stride_vn,
                       stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, start, lo, seq_end,
                       b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr):
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr,
+                      KD, VD, TMA: tl.constexpr):
     """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
     below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
     it (all but the last one or two of the range) run a loop without masks, without the -inf
@@ -253,13 +295,19 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     k_ptrs = k_base + row0[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = v_base + row0[:, None] * stride_vn + offs_d[None, :]
     for b in range(b_begin, b_mid):
-        k = tl.load(k_ptrs)
+        if TMA:   # rows of the [nkv * R, d] views
+            k = KD.load([kvh * R + b * BLOCK_N, 0])
+        else:
+            k = tl.load(k_ptrs)
         s = tl.dot(q, tl.trans(k))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
         p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs)
+        if TMA:
+            v = VD.load([kvh * R + b * BLOCK_N, 0])
+        else:
+            v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -273,7 +321,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
 
 @triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"], launch_metadata=launch_signature)
 def _attn_split_v2_kernel(
-    Q, K, V, ACC, ML, START,
+    Q, K, V, ACC, ML, START, TL,
     stride_qw, stride_qh,
     stride_kh, stride_kn,
     stride_vh, stride_vn,
@@ -282,7 +330,8 @@ def _attn_split_v2_kernel(
     qk_scale_log2, W, WINDOW, R, NUM_SPLITS,
     G: tl.constexpr, IS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
-    MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
+    TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -294,10 +343,20 @@ def _attn_split_v2_kernel(
     immediately before the call."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
+    prog = kvh * NUM_SPLITS + split
+    _stamp(TL, prog, 1, TIMELINE)
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
     b_begin = split * per_split
     b_end = tl.minimum(b_begin + per_split, n_blocks)
+    if TAIL_PREFETCH and not IS_RING:   # the boundary blocks (masked loop, not pipelined) into L2
+        b_mid = tl.maximum(tl.minimum(b_end, start // BLOCK_N), b_begin)
+        for j in tl.static_range(2):
+            if b_mid + j < b_end:
+                rows = tl.minimum((b_mid + j) * BLOCK_N + tl.arange(0, BLOCK_N), seq_end - 1).to(tl.int64)
+                for c in tl.static_range(max(1, HEAD_DIM // 64)):
+                    prefetch_l2(K + kvh.to(tl.int64) * stride_kh + rows * stride_kn + c * 64)
+                    prefetch_l2(V + kvh.to(tl.int64) * stride_vh + rows * stride_vn + c * 64)
     if PDL:
         if not IS_RING:
             last = tl.maximum(tl.minimum(b_end, start // BLOCK_N) * BLOCK_N - 1, 0)
@@ -308,27 +367,38 @@ def _attn_split_v2_kernel(
                     prefetch_l2(V + kvh.to(tl.int64) * stride_vh + rows * stride_vn + c * 64)
         gdc_wait()
         gdc_launch_dependents()
+    _stamp(TL, prog, 2, TIMELINE)
     q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
     if b_begin < b_end:
         _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                           stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                           qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
-                          IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG)
+                          IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA)
+    _stamp(TL, prog, 3, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["W", "WINDOW", "NUM_SPLITS"], launch_metadata=launch_signature)
 def _attn_combine_kernel(
-    ACC, ML, SINKS, OUT, START,
+    ACC, ML, SINKS, OUT, START, TL,
     stride_ah, stride_as, stride_am,
     stride_mh, stride_ms,
     stride_ow, stride_oh,
     W, WINDOW, NUM_SPLITS,
     NH: tl.constexpr, G: tl.constexpr, IS_RING: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+    TL_BASE: tl.constexpr = 0, TRIGGER: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
 ):
+    """Program (row, d-slice) merges the splits' partials of one packed row. ``ONE_LOAD`` (needs
+    SUB_S == BLOCK_S): every partial's m, l and acc slice is requested at once after the wait, so
+    the merge costs one L2 round trip; otherwise m and l first (den), then acc in SUB_S-split chunks
+    (m reloaded per chunk)."""
     row = tl.program_id(0)
     dblk = tl.program_id(1)
+    prog = TL_BASE + dblk * tl.num_programs(0) + row
+    _stamp(TL, prog, 1, TIMELINE)
+    if TRIGGER:   # (experiment) the next kernel may launch and run its prologue while this one runs
+        gdc_launch_dependents()
     i = row // NH
     h = row % NH
     kvh = h // G
@@ -336,33 +406,44 @@ def _attn_combine_kernel(
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
     n_active = tl.cdiv(n_blocks, per_split)
+    if HAS_SINK:   # a weight: not written by the split kernel
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
     if PDL:   # launched as a programmatic dependent of the split kernel: its partials are complete
         gdc_wait()   # and visible past this point (start_pos was written before the split began)
+    _stamp(TL, prog, 2, TIMELINE)
 
     ml_ptr = ML + kvh * stride_mh + m_row
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < n_active
-    m_s = tl.load(ml_ptr + offs_s * stride_ms, mask=s_ok, other=_NEG_BIG)
-    l_s = tl.load(ml_ptr + offs_s * stride_ms + BLOCK_M, mask=s_ok, other=0.0)
-    m_all = tl.max(m_s, 0)
-    if HAS_SINK:
-        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
-        m_all = tl.maximum(m_all, sink)
-    den = tl.sum(tl.exp2(m_s - m_all) * l_s, 0)
-    if HAS_SINK:
-        den += tl.exp2(sink - m_all)
-
     offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
     acc_ptr = ACC + kvh * stride_ah + m_row * stride_am
-    num = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, n_active, SUB_S):
-        sub = s0 + tl.arange(0, SUB_S)
-        ok = sub < n_active
-        wgt = tl.exp2(tl.load(ml_ptr + sub * stride_ms, mask=ok, other=_NEG_BIG) - m_all)
-        part = tl.load(acc_ptr + sub[:, None] * stride_as + offs_d[None, :], mask=ok[:, None],
+    m_s = tl.load(ml_ptr + offs_s * stride_ms, mask=s_ok, other=_NEG_BIG)
+    l_s = tl.load(ml_ptr + offs_s * stride_ms + BLOCK_M, mask=s_ok, other=0.0)
+    if ONE_LOAD:
+        part = tl.load(acc_ptr + offs_s[:, None] * stride_as + offs_d[None, :], mask=s_ok[:, None],
                        other=0.0)
-        num += tl.sum(wgt[:, None] * part, 0)
+    m_all = tl.max(m_s, 0)
+    if HAS_SINK:
+        m_all = tl.maximum(m_all, sink)
+    wgt_s = tl.exp2(m_s - m_all)
+    den = tl.sum(wgt_s * l_s, 0)
+    if HAS_SINK:
+        den += tl.exp2(sink - m_all)
+    _stamp_after(TL, prog, 4, den, TIMELINE)
+    if ONE_LOAD:
+        num = tl.sum(wgt_s[:, None] * part, 0)
+        _stamp_after(TL, prog, 5, tl.sum(num), TIMELINE)
+    else:
+        num = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, n_active, SUB_S):
+            sub = s0 + tl.arange(0, SUB_S)
+            ok = sub < n_active
+            wgt = tl.exp2(tl.load(ml_ptr + sub * stride_ms, mask=ok, other=_NEG_BIG) - m_all)
+            part = tl.load(acc_ptr + sub[:, None] * stride_as + offs_d[None, :], mask=ok[:, None],
+                           other=0.0)
+            num += tl.sum(wgt[:, None] * part, 0)
     tl.store(OUT + i * stride_ow + h * stride_oh + offs_d, (num / den).to(OUT.dtype.element_ty))
+    _stamp(TL, prog, 3, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"], launch_metadata=launch_signature)
@@ -481,11 +562,23 @@ def _fused_counters(device, nkv, workspace):
     return buf
 
 
+def _kv_descriptors(k, v, block_n):
+    """Host TMA descriptors of K and V as [nkv * slots, d] row matrices with [block_n, d] tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nkv, slots, d = k.shape
+    for t in (k, v):
+        check(t.stride(0) == slots * t.stride(1) and t.data_ptr() % 16 == 0 and (t.stride(1) * 2) % 16 == 0,
+              "tma: k/v must flatten to [nkv * slots, d] rows (stride(0) == slots * stride(1)), 16-byte aligned")
+    return tuple(TensorDescriptor(t, [nkv * slots, d], [t.stride(1), 1], [block_n, d]) for t in (k, v))
+
+
 def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_splits, validate=True,
             block_n=None, num_stages=None, num_warps=None, variant=None, workspace=None,
             combine_block_d=None, combine_block_s=None, pdl=None, prefetch=None, min_block_m=None,
             _drop_last=False,
-            _mid_bug=False, _pdl_no_wait=False):
+            combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
+            _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -550,12 +643,29 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     # _pdl_no_wait (negative control of the tests): the combine is launched early but skips its wait.
     prefetch = PREFETCH_BLOCKS if prefetch is None else int(prefetch)
     check(prefetch >= 0, "prefetch >= 0")
-    split_kernel, extra = ((_attn_split_v2_kernel, dict(PDL=pdl, MID_BUG=bool(_mid_bug), PREFETCH=prefetch))
+    block_d = min(COMBINE_BLOCK_D if combine_block_d is None else combine_block_d, d)
+    # _timeline (diagnostics, v2): int64 [num_splits * nkv + w * nh * d / block_d, TIMELINE_FIELDS]
+    # records of (smid, t_entry, t_wait, t_end) per split program, then per combine program.
+    timeline = _timeline is not None
+    if timeline:
+        check(variant == "v2" and _timeline.dtype == torch.int64 and _timeline.is_contiguous()
+              and _timeline.numel() >= (num_splits * nkv + w * nh * (d // block_d)) * TIMELINE_FIELDS,
+              "_timeline: v2, contiguous int64 [num_splits * nkv + w * nh * d / combine_block_d, 4]")
+    tl_buf = _timeline if timeline else acc
+    # (an L2 prefetch is inline PTX: compiled CUDA only; the interpreter skips it)
+    tail_prefetch = (TAIL_PREFETCH if tail_prefetch is None else bool(tail_prefetch)) and compiled_cuda(q.device)
+    tma = TMA if tma is None else bool(tma)
+    kd = vd = None
+    if tma and variant == "v2":
+        kd, vd = _kv_descriptors(k, v, block_n)
+    split_kernel, extra = ((_attn_split_v2_kernel, dict(PDL=pdl, MID_BUG=bool(_mid_bug), PREFETCH=prefetch,
+                                                        TIMELINE=timeline, TAIL_PREFETCH=tail_prefetch,
+                                                        KD=kd, VD=vd, TMA=kd is not None))
                            if variant == "v2" else (_attn_split_kernel, {}))
     if pdl and variant == "v2":   # v2's split is itself a programmatic dependent of the previous kernel
         extra["launch_pdl"] = True
     split_kernel[(num_splits, nkv)](
-        q, k, v, acc, ml, start_pos,
+        q, k, v, acc, ml, start_pos, *((tl_buf,) if variant == "v2" else ()),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -568,25 +678,28 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     )
     # v1's split kernel does not signal its dependents early; its combine may still be a programmatic
     # dependent (it then starts when the last split exits, before the kernel's completion is flushed).
-    block_d = min(COMBINE_BLOCK_D if combine_block_d is None else combine_block_d, d)
     block_s = max(16, next_pow2(num_splits))
     sub_s = min(COMBINE_BLOCK_S if combine_block_s is None else combine_block_s, block_s)
     _attn_combine_kernel[(w * nh, d // block_d)](
-        acc, ml, sinks if has_sink else acc, out, start_pos,
+        acc, ml, sinks if has_sink else acc, out, start_pos, tl_buf,
         acc.stride(0), acc.stride(1), acc.stride(2),
         ml.stride(0), ml.stride(1),
         out.stride(0), out.stride(1),
         w, int(window), num_splits,
         NH=nh, G=G, IS_RING=ring, HAS_SINK=has_sink,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s,
-        SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and not _pdl_no_wait,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and not _pdl_no_wait, TIMELINE=timeline,
+        ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if combine_one_load is None else bool(combine_one_load)),
+        TL_BASE=num_splits * nkv if timeline else 0, TRIGGER=pdl and bool(_combine_trigger),
+        num_warps=COMBINE_NUM_WARPS if combine_num_warps is None else int(combine_num_warps),
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
 
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
-                          variant=None, workspace=None, pdl=None, prefetch=None):
+                          variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
+                          tma=None, combine_num_warps=None, combine_one_load=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -601,19 +714,26 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     ``start_pos`` and L2-prefetches ``prefetch`` key blocks (None: PREFETCH_BLOCKS) before waiting for
     that kernel, so ``start_pos`` must not be written by the kernel launched immediately before
     (the runtime writes positions at the start of a round); q and the new K/V rows may be.
+    ``tail_prefetch``, ``tma``, ``combine_num_warps``, ``combine_one_load``: v2 / combine options, None:
+    the module's TAIL_PREFETCH, TMA, COMBINE_NUM_WARPS, COMBINE_ONE_LOAD.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
-                   num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch)
+                   num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
+                   tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
+                   combine_one_load=combine_one_load)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
-                          variant=None, workspace=None, pdl=None, prefetch=None):
+                          variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
+                          tma=None, combine_num_warps=None, combine_one_load=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host).
     """
     return _launch(q, k_ring, v_ring, start_pos, sinks, out, ring=True, window=int(window),
-                   num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch)
+                   num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
+                   tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
+                   combine_one_load=combine_one_load)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -40,8 +40,29 @@ class _CompileOnly:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.sink.append((self.fn.fn.__name__, grid, self.fn.warmup(*args, grid=grid, **kwargs)))
+            self.sink.append((self.fn.fn.__name__, grid, self.fn.warmup(*args, grid=grid, **kwargs), kwargs))
         return launch
+
+
+# What a launch's constexprs must (and must not) put into its PTX: (kernel, keyword, PTX text).
+PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
+             ("_attn_split_v2_kernel", "TMA", "cp.async.bulk.tensor"),
+             ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait")]
+
+
+def ptx_problems(sink) -> list[str]:
+    """A keyword switched on must show in the PTX, and switched off must not (where nothing else
+    emits that instruction): the options really change the code."""
+    out = []
+    for name, grid, kernel, kwargs in sink:
+        ptx = kernel.asm["ptx"]
+        for kname, key, mark in PTX_MARKS:
+            if name != kname or key not in kwargs or (key == "TAIL_PREFETCH" and kwargs.get("IS_RING")):
+                continue   # (rings have no boundary blocks: no tail prefetch)
+            other = key == "TAIL_PREFETCH" and kwargs.get("PREFETCH", 0) and kwargs.get("PDL")
+            if bool(kwargs[key]) != (mark in ptx) and not (other and mark in ptx):
+                out.append(f"{name} {grid}: {key}={kwargs[key]} but {mark!r} {'absent' if kwargs[key] else 'present'}")
+    return out
 
 
 def _compile_only(name, sink):
@@ -71,6 +92,14 @@ def _launch_everything(A, M, Nm, S):
             for variant in ("v1", "v2"):      # the combine as a programmatic dependent
                 A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132, variant=variant,
                                         pdl=True)
+            for opts in (dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
+                         dict(combine_num_warps=4), dict(combine_num_warps=8)):   # v2 / combine options
+                A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132, variant="v2",
+                                        pdl=True, **opts)
+            A._launch(q, k, k, sp, torch.zeros(6), None, ring=False, window=0, num_splits=132, variant="v2",
+                      _timeline=torch.zeros(132 + w * 6 * 4, A.TIMELINE_FIELDS, dtype=torch.int64))
+            A._launch(q, k, k, sp, torch.zeros(6), None, ring=False, window=0, num_splits=132, variant="v2",
+                      combine_num_warps=1, combine_block_d=8)    # one warp: 8 columns (32 spill)
         w13 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn)
         s13 = torch.ones(E, 2 * I // 128, H // 128)
         w2 = torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
@@ -112,12 +141,13 @@ def main():
     mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler")]
     for m in mods[:2]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
         m.pdl_supported = lambda device: True
+    mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches
     _launch_everything(*mods)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         cuobjdump = shutil.which("cuobjdump")
-    problems, rows = [], []
-    for name, grid, kernel in sink:
+    problems, rows = ptx_problems(sink), []
+    for name, grid, kernel, _ in sink:
         shared = kernel.metadata.shared
         regs = stack = local = None
         if cuobjdump:
@@ -135,7 +165,7 @@ def main():
                     problems.append(f"{name} {grid}: stack {stack} B, local {local} B")
         if shared > SMEM_LIMIT:
             problems.append(f"{name} {grid}: {shared} B shared memory")
-        rows.append([name, list(grid), shared, regs, stack, local])
+        rows.append([name, list(grid), shared, regs, stack, local, kernel.metadata.num_warps])
         print(name, grid, "shared", shared, "regs", regs, file=sys.stderr)
     print(json.dumps(dict(kernels=sorted({r[0] for r in rows}), problems=problems, rows=rows)))
 

@@ -128,6 +128,34 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
     assert run_ring(A, Q1, w, ctx + 5000, seed=ctx + w + 1, variant=variant, pdl=True) < TOL
 
 
+V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
+              dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 6, 8])
+@pytest.mark.parametrize("ctx", [1, 65, 4096, 65536 + 3, 196608])
+@pytest.mark.parametrize("opts", V2_OPTIONS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_full_and_ring_q1_v2_options(w, ctx, opts):
+    """v2's options (TMA tiles, L2 prefetch of the boundary blocks, the two-round-trip combine) at
+    the q1 shard, full and ring; the sinkless negative control must fail the same bound."""
+    A = load_kernels("attention")
+    start = ctx - w if ctx > w else 0
+    assert run_full(A, Q1, w, start, seed=ctx + 7 * w, variant="v2", **opts) < TOL
+    assert run_ring(A, Q1, w, ctx + 5000, seed=ctx + w + 3, variant="v2", **opts) < TOL
+    no_sink = torch.full((Q1["nh"],), float("-inf"), device="cuda")
+    assert run_full(A, Q1, w, start, seed=ctx + 7 * w, variant="v2", sinks_override=no_sink, **opts) > TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("edge", range(4))
+@pytest.mark.parametrize("opts", V2_OPTIONS[:2], ids=["tma", "no_tail_prefetch"])
+def test_v2_options_split_boundaries(edge, opts):
+    A = load_kernels("attention")
+    ctx = _split_edges(A)[edge]
+    assert run_full(A, Q1, 8, ctx - 8, seed=edge + 40, variant="v2", **opts) < TOL
+
+
 @pytest.mark.gpu
 def test_pdl_without_the_wait_is_caught():
     """Negative control of the PDL tests: v2's combine is launched early (the splits release their
@@ -315,6 +343,20 @@ def test_interp_v2_mid_bug_is_caught(w, start):
     A = load_kernels("attention")
     assert run_full(A, MINI, w, start, seed=start, num_splits=2, variant="v2") < TOL
     assert run_full(A, MINI, w, start, seed=start, num_splits=2, variant="v2", _mid_bug=True) > TOL
+
+
+@cpu_only
+@pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8)],
+                         ids=["tma", "two_loads", "combine_8warps"])
+def test_interp_v2_options(opts):
+    """TMA tiles (the interpreter runs descriptor loads) and the two-round-trip combine, full and
+    ring, with the sinkless negative control."""
+    A = load_kernels("attention")
+    kw = dict(num_splits=3, variant="v2", **opts)
+    assert run_full(A, MINI, 8, 700, seed=3, **kw) < TOL
+    assert run_ring(A, MINI, 6, 1300, seed=4, **kw) < TOL
+    no_sink = torch.full((MINI["nh"],), float("-inf"))
+    assert run_full(A, MINI, 8, 700, seed=3, sinks_override=no_sink, **kw) > TOL
 
 
 @cpu_only

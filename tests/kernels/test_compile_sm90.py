@@ -34,3 +34,26 @@ def test_all_kernels_compile_for_sm90():
             "_moe_gate_up_v2_kernel", "_moe_down_v2_kernel",
             "_moe_down_kernel", "_moe_down_wide_kernel", "_moe_reduce_kernel", "_add_rmsnorm_kernel",
             "_sample_kernel"} <= set(report["kernels"])
+
+
+def test_ptx_marks_catch_an_option_that_changes_nothing():
+    """Negative control of the PTX check in ``_sm90_compile``: a launch whose keyword asks for an
+    instruction its PTX lacks (or the reverse) is reported; a consistent one is not."""
+    sys.path.insert(0, HERE)
+    try:
+        from _sm90_compile import ptx_problems
+    finally:
+        sys.path.remove(HERE)
+
+    class _K:
+        def __init__(self, ptx):
+            self.asm = {"ptx": ptx}
+
+    name = "_attn_split_v2_kernel"
+    good = [(name, (1,), _K("prefetch.global.L2 [x];"), dict(TAIL_PREFETCH=True, PDL=False)),
+            (name, (1,), _K("ld.global"), dict(TAIL_PREFETCH=False, TMA=False, PDL=False))]
+    assert ptx_problems(good) == []
+    bad = [(name, (1,), _K("ld.global"), dict(TAIL_PREFETCH=True)),
+           (name, (1,), _K("cp.async.bulk.tensor.2d"), dict(TMA=False)),
+           (name, (1,), _K("ld.global"), dict(PDL=True))]
+    assert len(ptx_problems(bad)) == 3

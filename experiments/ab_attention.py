@@ -1,0 +1,141 @@
+"""Paired A/B of split-KV attention options on the GPU: the configs' graphs replayed in alternation.
+
+    OUT=... python3 experiments/ab_attention.py [--configs default,tma,...] [--contexts 65536,196608]
+                                                [--widths 6] [--rounds 30] [--dry-run]
+
+Each config gets one CUDA graph holding one call per rotating input set (>= 3x L2 of KV, exactly as
+``bench_kernels.py`` times them); every round replays every config's graph once, in an order that
+rotates from round to round, so slow drifts of the machine (clocks, temperature, neighbours) fall on
+all configs alike. Per shape and config it prints the median time per call, the fraction of the
+device-to-device copy bandwidth (KV + q/out bytes, as bench_kernels.py), and against the first config
+the median of the per-round ratios with their 10-90 % range: a difference is only worth acting on
+when that range excludes 1. $OUT/ab_attention.json/.csv hold every round's times.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
+
+import torch  # noqa: E402
+
+from bench_kernels import n_sets  # noqa: E402
+from runtime.kernels import attention as A  # noqa: E402
+
+CONFIGS = {
+    "default": {},
+    "s11_default": dict(combine_one_load=False, combine_num_warps=4, tail_prefetch=False),
+    "cnw4": dict(combine_num_warps=4),
+    "no_tailpf": dict(tail_prefetch=False),
+    "two_loads": dict(combine_one_load=False),
+    "tma": dict(tma=True),
+    "tailpf": dict(tail_prefetch=True),
+    "cnw2": dict(combine_num_warps=2),
+    "tma_tailpf": dict(tma=True, tail_prefetch=True),
+    "tma_tailpf_cnw2": dict(tma=True, tail_prefetch=True, combine_num_warps=2),
+    "v1": dict(variant="v1"),
+    "nopdl": dict(pdl=False),
+    "comb_pf": dict(_combine_prefetch=True),
+    "tma_tailpf_combpf": dict(tma=True, tail_prefetch=True, _combine_prefetch=True),
+    # the combine releases its dependent (the next call's split) at its start and the split asks L2
+    # for its first two blocks before its wait: what a predecessor that triggers early would allow
+    "trigger_pf2": dict(_combine_trigger=True, prefetch=2),
+}
+
+
+def capture(calls):
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    return g
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="default,s11_default,cnw4,no_tailpf,two_loads,tma",
+                    help=f"comma list; the first is the baseline. Known: {', '.join(CONFIGS)}")
+    ap.add_argument("--contexts", default="65536,196608")
+    ap.add_argument("--widths", default="6")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes, one round, no timing")
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    nh, nkv, d = (6, 1, 128) if not DRY_RUN else (6, 1, 64)
+    copy_bw = copy_bandwidth()[0]
+    l2 = 60 * 2**20
+    rows, raw = [], {}
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        for w in [int(x) for x in args.widths.split(",")]:
+            c_ = ctx if not DRY_RUN else min(ctx, 512)
+            cap = c_ + 64
+            sets = n_sets(2 * nkv * cap * d * 2, l2) if not DRY_RUN else 2
+            data = []
+            for _ in range(sets):
+                q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
+                k = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
+                v = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
+                sinks = torch.randn(nh, device=DEV) + math.log(c_)
+                sp = torch.tensor(c_ - w, dtype=torch.int32, device=DEV)
+                data.append((q, k, v, sinks, sp, torch.empty_like(q)))
+            nbytes = 2 * nkv * c_ * d * 2 + 2 * w * nh * d * 2 + nh * 4 + 4
+            calls = {n: [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, kw=CONFIGS[n]: A._launch(
+                q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw)) for q, k, v, s, sp, o in data]
+                for n in names}
+            shape = f"full{c_ // 1024}K_w{w}"
+            if DRY_RUN:
+                for n in names:
+                    calls[n][0]()
+                print(f"{shape}: dry run of {len(names)} configs", flush=True)
+                continue
+            graphs = {n: capture(calls[n]) for n in names}
+            times = {n: [] for n in names}
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in names]
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for (e0, e1), n in zip(ev, order):
+                    e0.record()
+                    graphs[n].replay()
+                    e1.record()
+                torch.cuda.synchronize()
+                for (e0, e1), n in zip(ev, order):
+                    times[n].append(e0.elapsed_time(e1) * 1e3 / sets)
+            base = times[names[0]]
+            for n in names:
+                ratios = sorted(t / b for t, b in zip(times[n], base))
+                med = statistics.median(times[n])
+                row = dict(shape=shape, ctx=c_, w=w, config=n, us=med, frac=nbytes / (med * 1e-6) / copy_bw,
+                           ratio=statistics.median(ratios), ratio_p10=ratios[len(ratios) // 10],
+                           ratio_p90=ratios[(9 * len(ratios)) // 10], rounds=args.rounds, sets=sets)
+                rows.append(row)
+                raw[f"{shape}_{n}"] = times[n]
+                print(f"{shape:>12} {n:>18} {med:8.2f} us  frac {row['frac']:.3f}  "
+                      f"ratio {row['ratio']:.3f} [{row['ratio_p10']:.3f}, {row['ratio_p90']:.3f}]", flush=True)
+            del graphs, data, calls
+            torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+    write_results("ab_attention", {"copy_Bps": copy_bw, "configs": {n: repr(CONFIGS[n]) for n in names},
+                                   "times_us": raw}, rows)
+
+
+if __name__ == "__main__":
+    main()
