@@ -43,6 +43,27 @@ def time_call(fn) -> float:
     return e0.elapsed_time(e1) * 1e-3
 
 
+def capture_graph(calls):
+    """One CUDA graph holding ``calls`` in order (each run once eagerly first, to compile and to warm
+    the allocator, then on a side stream, as capture needs), replayed three times to warm it."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    return g
+
+
 def _copy_seconds(nbytes: int, reps: int) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
     b = torch.empty_like(a)

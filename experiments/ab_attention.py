@@ -14,17 +14,16 @@ when that range excludes 1. $OUT/ab_attention.json/.csv hold every round's times
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import DRY_RUN, capture_graph, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 
-from bench_kernels import n_sets  # noqa: E402
+from bench_kernels import attention_sets, n_sets  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 
 CONFIGS = {
@@ -46,25 +45,6 @@ CONFIGS = {
     # for its first two blocks before its wait: what a predecessor that triggers early would allow
     "trigger_pf2": dict(_combine_trigger=True, prefetch=2),
 }
-
-
-def capture(calls):
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    return g
 
 
 def main():
@@ -89,14 +69,7 @@ def main():
             c_ = ctx if not DRY_RUN else min(ctx, 512)
             cap = c_ + 64
             sets = n_sets(2 * nkv * cap * d * 2, l2) if not DRY_RUN else 2
-            data = []
-            for _ in range(sets):
-                q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
-                k = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
-                v = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
-                sinks = torch.randn(nh, device=DEV) + math.log(c_)
-                sp = torch.tensor(c_ - w, dtype=torch.int32, device=DEV)
-                data.append((q, k, v, sinks, sp, torch.empty_like(q)))
+            data = attention_sets(sets, w, nh, nkv, d, cap, c_ - w, c_)
             nbytes = 2 * nkv * c_ * d * 2 + 2 * w * nh * d * 2 + nh * 4 + 4
             calls = {n: [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, kw=CONFIGS[n]: A._launch(
                 q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw)) for q, k, v, s, sp, o in data]
@@ -107,7 +80,7 @@ def main():
                     calls[n][0]()
                 print(f"{shape}: dry run of {len(names)} configs", flush=True)
                 continue
-            graphs = {n: capture(calls[n]) for n in names}
+            graphs = {n: capture_graph(calls[n]) for n in names}
             times = {n: [] for n in names}
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in names]
             for r in range(args.rounds):

@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import DEV, DRY_RUN, capture_graph, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -65,21 +65,7 @@ def graph_time(calls, reps=25):
             c()
         t = (time.perf_counter() - t0) / min(2, len(calls))
         return t, t, t
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
+    g = capture_graph(calls)
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
            for _ in range(reps)]
     for e0, e1 in evs:
@@ -126,6 +112,20 @@ def record(kernel, shape, variant, calls, nbytes, copy_bw, ref_calls=None, eager
 # -------------------------------------------------------------------------------- attention
 def _k(n):
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def attention_sets(sets, w, nh, nkv, d, cap, start, n_keys):
+    """``sets`` input sets of one attention shape: (q, k, v, sinks, start_pos, out) each, random BF16
+    q / K / V of ``cap`` slots, sinks around log(n_keys) (so they take a visible share of the mass)."""
+    data = []
+    for _ in range(sets):
+        q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
+        k = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
+        v = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
+        sinks = torch.randn(nh, device=DEV) + math.log(n_keys)
+        sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+        data.append((q, k, v, sinks, sp, torch.empty_like(q)))
+    return data
 
 
 def bench_attention(copy_bw, l2, sweep):
@@ -183,14 +183,7 @@ def bench_attention(copy_bw, l2, sweep):
             kv_bytes = 2 * nkv * n_keys * d * 2
             io_bytes = 2 * w * nh * d * 2 + nh * 4 + 4
             sets = n_sets(2 * nkv * cap * d * 2, l2)
-            data = []
-            for _ in range(sets):
-                q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
-                k = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
-                v = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
-                sinks = torch.randn(nh, device=DEV) + math.log(n_keys)
-                sp = torch.tensor(start, dtype=torch.int32, device=DEV)
-                data.append((q, k, v, sinks, sp, torch.empty_like(q)))
+            data = attention_sets(sets, w, nh, nkv, d, cap, start, n_keys)
             ref_calls = [
                 (lambda q=q, k=k, v=v, s=s: A.attention_reference(
                     q, k, v, start, s, window=None if mode == "full" else window,

@@ -19,7 +19,6 @@ table; $OUT/timeline_attention.json holds every record.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (f
 
 import torch  # noqa: E402
 
-from bench_kernels import graph_time, n_sets  # noqa: E402
+from bench_kernels import attention_sets, graph_time, n_sets  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels._common import device_sm_count  # noqa: E402
 
@@ -65,8 +64,7 @@ def read_bandwidth(nbytes=2**31, reps=10):
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV).normal_()
     for _ in range(3):
         x.sum(dtype=torch.float32)
-    t = statistics.median(time_call(lambda: x.sum(dtype=torch.float32)) for _ in range(reps))
-    del x
+    t = statistics.median([time_call(lambda: x.sum(dtype=torch.float32)) for _ in range(reps)])
     return nbytes / t
 
 
@@ -108,15 +106,8 @@ def main():
         ctx = ctx if not DRY_RUN else min(ctx, 512)
         cap = ctx + 64
         sets = n_sets(2 * nkv * cap * d * 2, l2) if not DRY_RUN else 2
-        data = []
-        for _ in range(sets):
-            q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
-            k = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
-            v = torch.randn(nkv, cap, d, device=DEV).to(torch.bfloat16)
-            sinks = torch.randn(nh, device=DEV) + math.log(ctx)
-            sp = torch.tensor(ctx - w, dtype=torch.int32, device=DEV)
-            tlb = torch.zeros(n_splits * nkv + n_comb, A.TIMELINE_FIELDS, dtype=torch.int64, device=DEV)
-            data.append((q, k, v, sinks, sp, torch.empty_like(q), tlb))
+        data = [(*s, torch.zeros(n_splits * nkv + n_comb, A.TIMELINE_FIELDS, dtype=torch.int64, device=DEV))
+                for s in attention_sets(sets, w, nh, nkv, d, cap, ctx - w, ctx)]
         kv_bytes = 2 * nkv * ctx * d * 2
         for name in args.configs.split(","):
             kw = CONFIGS[name]
