@@ -39,6 +39,7 @@ import triton  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
 from runtime.kernels import norm as N  # noqa: E402
+from runtime.kernels import rope as R  # noqa: E402
 from runtime.kernels import sampler as S  # noqa: E402
 
 ROWS: list[dict] = []
@@ -347,6 +348,49 @@ def bench_norm(copy_bw, l2, sweep):
         record("norm", f"H{H}_w{w}", "out16", calls, nbytes + w * H * 2, copy_bw, eager=False)
 
 
+# ------------------------------------------------------------------------------------- rope
+def torch_rope_kv(qkv, cos2, sin2, nh, nkv, kc, vc, slots, labels=None, positions=None):
+    """The fast step's sequence before session 12: the reference's RoPE in FP32, then index_copy_."""
+    T = qkv.shape[0]
+    d = kc.shape[2]
+    x = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d)
+    xf = x.float()
+    h = d // 2
+    qk = (xf * cos2 + torch.cat([-xf[..., h:], xf[..., :h]], -1) * sin2).to(x.dtype)
+    kc.index_copy_(1, slots, qk[:, nh:].transpose(0, 1))
+    vc.index_copy_(1, slots, qkv[:, (nh + nkv) * d:].view(T, nkv, d).transpose(0, 1))
+    if labels is not None:
+        labels.index_copy_(0, slots, positions)
+    return qk[:, :nh]
+
+
+def bench_rope(copy_bw, l2, sweep):
+    nh, nkv, d = ATTN["nh"], ATTN["nkv"], ATTN["d"]
+    for ring in (False, True):
+        for w in (6, 8):
+            slots = ATTN["window"] + 64 if ring else 65536 + 64
+            start = ATTN["ring_start"] if ring else 65536 - w
+            pos = torch.arange(start, start + w, device=DEV)
+            sl = pos % slots if ring else pos
+            ang = pos.double()[:, None] * torch.rand(d // 2, device=DEV, dtype=torch.float64)[None]
+            cos2 = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]
+            sin2 = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :]
+            sets = 16
+            data = [(torch.randn(w, (nh + 2 * nkv) * d, device=DEV).to(torch.bfloat16),
+                     torch.zeros(nkv, slots, d, device=DEV, dtype=torch.bfloat16),
+                     torch.zeros(nkv, slots, d, device=DEV, dtype=torch.bfloat16),
+                     torch.full((slots,), -1, device=DEV, dtype=torch.int64) if ring else None) for _ in range(sets)]
+            nbytes = w * (nh + 2 * nkv) * d * 2 * 2 + (w * 8 if ring else 0)
+            calls = [(lambda qkv=qkv, kc=kc, vc=vc, lab=lab: R.rope_kv_write(
+                qkv, cos2, sin2, nh, nkv, kc, vc, sl, labels=lab, positions=pos if ring else None))
+                for qkv, kc, vc, lab in data]
+            torch_calls = [(lambda qkv=qkv, kc=kc, vc=vc, lab=lab: torch_rope_kv(
+                qkv, cos2, sin2, nh, nkv, kc, vc, sl, lab, pos if ring else None)) for qkv, kc, vc, lab in data]
+            shape = f"{'ring' if ring else 'full'}_w{w}"
+            record("rope_kv", shape, "default", calls, nbytes, copy_bw, ref_calls=torch_calls[:4])
+            record("rope_kv", shape, "torch_in_graph", torch_calls, nbytes, copy_bw, eager=False)
+
+
 # ---------------------------------------------------------------------------------- sampler
 def bench_sampler(copy_bw, l2, sweep):
     w = SAMPLER["w"]
@@ -377,7 +421,7 @@ def bench_sampler(copy_bw, l2, sweep):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants")
-    ap.add_argument("--only", default="attention,moe,norm,sampler")
+    ap.add_argument("--only", default="attention,moe,norm,rope,sampler")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy shapes (script check)")
     args = ap.parse_args()
     sweep = not args.no_sweep
@@ -393,7 +437,8 @@ def main():
     copy_bw, copy_t = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (2 GiB copy, read+write, {copy_t * 1e3:.3f} ms)",
           flush=True)
-    benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, sampler=bench_sampler)
+    benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope,
+                   sampler=bench_sampler)
     t0 = time.time()
     for name in args.only.split(","):
         t = time.time()

@@ -9,8 +9,9 @@ recorded dtype stays true, and snapshots of the BF16 reference restore into it u
 Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the normalised input):
 
     qkv  = h @ [Wq; Wk; Wv]^T                  one GEMM (Wq/Wk/Wv are views of the fused weight)
-    q, k = RoPE(q, k)                          angles in float64, as the reference
-    cache[positions] <- k, v                   torch index_copy_ (ring: slot p % R, labels too)
+    q, k = RoPE(q, k); cache[slots] <- k, v    rope_kv_write: one kernel (angles in float64 on the
+                                               host side of the pass, as the reference; ring: slot
+                                               p % R, labels too)
     o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
     h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16)
     ids, weights = route(h)                    FP32 router logits from the BF16 input (reference)
@@ -56,6 +57,7 @@ from .config import ConfigError, KernelsConfig, ModelConfig, SamplingConfig, Sha
 from .kernels import attention as _attn
 from .kernels import moe as _moe
 from .kernels import norm as _norm
+from .kernels import rope as _rope
 from .kernels import sampler as _sampler
 from .model import KVCache, LayerWeights, Model, ModelCache, attend_chunked, visible_keys, write_decode
 from .sampling import draw, filter_dist
@@ -127,7 +129,7 @@ def kernels_runnable(device: torch.device) -> str | None:
     if not isinstance(std.cdiv, interpreter.InterpretedFunction):
         return ("TRITON_INTERPRET=1 is set but triton was imported before it: its library functions "
                 "are compiled ones (set the variable before anything imports triton)")
-    mods = (_attn, _moe, _norm, _sampler)
+    mods = (_attn, _moe, _norm, _rope, _sampler)
     if any(not isinstance(f, interpreter.InterpretedFunction) for m in mods for f in _jitted(m)):
         return ("TRITON_INTERPRET=1 is set but runtime.kernels were imported before it: their "
                 "kernels are compiled ones, which cannot run on the CPU (re-import them after "
@@ -256,28 +258,27 @@ class FastModel(Model):
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
         qkv = h @ self._qkv[id(lw)].T
-        qk = self._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), tab["cos"], tab["sin"])
-        q, k = qk[:, :nh], qk[:, nh:]
-        v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
-        kt, vt = k.transpose(0, 1), v.transpose(0, 1)
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
+            qk = self._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), tab["cos"], tab["sin"])
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
+            kt, vt = k.transpose(0, 1), v.transpose(0, 1)
             keys, vals, kpos = write_decode(cache, positions, kt, vt)
             o = attend_chunked(q, keys, vals, lambda a, b: visible_keys(cache, kpos, positions[a:b]), lw.sinks)
             out = o.reshape(T, nh * d) @ lw.wo.T
             return self.comm.all_reduce(out) if sh.tp_size > 1 else out
         o = torch.empty(T, nh, d, dtype=_BF16, device=h.device)
         sinks = None if self.broken == "drop_sinks" else lw.sinks
+        # RoPE of q and k + the K/V cache write: one kernel (the reference's operations, exactly)
         if cache.kind == "full":
-            cache.k.index_copy_(1, positions, kt)
-            cache.v.index_copy_(1, positions, vt)
+            q = _rope.rope_kv_write(qkv, tab["cos"], tab["sin"], nh, nkv, cache.k, cache.v, positions)
             _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o, **self._attn_options)
         else:
             slots = tab.get(("slots", cache.slots))
             if slots is None:
                 slots = tab[("slots", cache.slots)] = positions % cache.slots
-            cache.k.index_copy_(1, slots, kt)
-            cache.v.index_copy_(1, slots, vt)
-            cache.labels.index_copy_(0, slots, positions)
+            q = _rope.rope_kv_write(qkv, tab["cos"], tab["sin"], nh, nkv, cache.k, cache.v, slots,
+                                    labels=cache.labels, positions=positions)
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o,
                                         **self._attn_options)
         out = o.view(T, nh * d) @ lw.wo.T

@@ -47,7 +47,10 @@ class _CompileOnly:
 # What a launch's constexprs must (and must not) put into its PTX: (kernel, keyword, PTX text).
 PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_attn_split_v2_kernel", "TMA", "cp.async.bulk.tensor"),
-             ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait")]
+             ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait"),
+             ("_rope_kv_kernel", "PDL", "griddepcontrol.wait"),
+             # the reference's RoPE rounds each product: no contraction into FMA
+             ("_rope_kv_kernel", "enable_fp_fusion", "fma.rn.f32")]
 
 
 def ptx_problems(sink) -> list[str]:
@@ -76,7 +79,7 @@ def _compile_only(name, sink):
     return mod
 
 
-def _launch_everything(A, M, Nm, S):
+def _launch_everything(A, M, Nm, S, R):
     bf = torch.bfloat16
     for d, window, E, H, I in ((128, 4096, 128, 6144, 256), (64, 512, 32, 256, 128)):
         for w in (4, 8):
@@ -127,6 +130,12 @@ def _launch_everything(A, M, Nm, S):
             Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6, out16=torch.empty(8, H).half())
         x16 = torch.randn(6, H).half()                          # the MoE on the norm's FP16 copy
         M.fused_moe_fp8(x16, torch.zeros(6, 8, dtype=torch.int32), torch.ones(6, 8), w13, s13, w2, s2)
+    for d, nh in ((128, 6), (64, 6)):                                # RoPE + KV-cache write
+        for ring in (False, True):
+            kc = torch.zeros(1, 4160, d).to(bf)
+            R.rope_kv_write(torch.randn(8, (nh + 2) * d).to(bf), torch.ones(8, 1, d), torch.ones(8, 1, d), nh, 1,
+                            kc, kc.clone(), torch.arange(8), labels=torch.zeros(4160, dtype=torch.int64) if ring else None,
+                            positions=torch.arange(8) if ring else None)
     for V in (20000, 4096):
         for bitonic in (True, False):
             S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, bitonic=bitonic)
@@ -141,10 +150,11 @@ def main():
 
     sink = []
     drv.set_active(_Sm90Driver())
-    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler")]
+    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope")]
     for m in mods[:2]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
         m.pdl_supported = lambda device: True
     mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches
+    mods[4].pdl_supported = lambda device: True
     _launch_everything(*mods)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):

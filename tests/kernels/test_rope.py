@@ -1,0 +1,94 @@
+"""RoPE of the new q/k rows + the KV-cache write (``rope_kv_write``) against the fast step's former
+torch sequence (the reference's RoPE in FP32, then ``index_copy_``).
+
+Every case poisons the output and both caches with NaN: the written rows must equal the torch result
+(exactly on the GPU; within one BF16 step in the interpreter, whose FP32 -> BF16 conversion
+truncates), every other cache row must still be NaN (no stray write), a ring's labels must name the
+positions. Negative controls: the rotation's signs swapped, and every row written one slot late,
+must fail the same checks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import HAS_CUDA, cpu_only, load_kernels
+
+Q1 = dict(nh=6, nkv=1, d=128)
+MINI = dict(nh=6, nkv=1, d=64)
+
+
+def _dev():
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def run_case(R, shape, T, start, slots, ring, seed, **kw):
+    """(q, reference q, k rows, reference k, v rows, v, labels ok, untouched ok)."""
+    nh, nkv, d = shape["nh"], shape["nkv"], shape["d"]
+    dev = _dev()
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g).to(torch.bfloat16).to(dev)
+    pos = torch.arange(start, start + T, device=dev)
+    ang = pos.double()[:, None] * (10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=dev) / d))[None]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    cos2, sin2 = torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
+    kc = torch.full((nkv, slots, d), float("nan"), dtype=torch.bfloat16, device=dev)
+    vc = torch.full_like(kc, float("nan"))
+    sl = pos % slots if ring else pos
+    labels = torch.full((slots,), -1, dtype=torch.int64, device=dev) if ring else None
+    q = torch.full((T, nh, d), float("nan"), dtype=torch.bfloat16, device=dev)
+    R.rope_kv_write(qkv, cos2, sin2, nh, nkv, kc, vc, sl, q, labels=labels, positions=pos if ring else None, **kw)
+    x = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d).float()
+    h = d // 2
+    ref = (x * cos2 + torch.cat([-x[..., h:], x[..., :h]], -1) * sin2).to(torch.bfloat16)
+    v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
+    others = torch.ones(slots, dtype=torch.bool, device=dev)
+    others[sl] = False
+    untouched = bool(kc[:, others].isnan().all() and vc[:, others].isnan().all())
+    labels_ok = (not ring) or bool((labels[sl] == pos).all() and (labels[others] == -1).all())
+    return q, ref[:, :nh], kc[:, sl].transpose(0, 1), ref[:, nh:], vc[:, sl].transpose(0, 1), v, labels_ok, untouched
+
+
+def _close(a, b, exact):
+    if exact:
+        return torch.equal(a, b)
+    ulp = b.float().abs() * 2.0 ** -7 + 1e-30
+    return bool(((a.float() - b.float()).abs() <= ulp).all())
+
+
+def passes(res, exact):
+    q, q_ref, k, k_ref, v, v_ref, labels_ok, untouched = res
+    return (_close(q, q_ref, exact) and _close(k, k_ref, exact) and torch.equal(v, v_ref)
+            and labels_ok and untouched)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 6, 8])
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
+def test_gpu(T, ring, shape):
+    R = load_kernels("rope")
+    for start in (0, 4157, 70001):
+        slots = 4160 if ring else start + T + 64
+        assert passes(run_case(R, shape, T, start, slots, ring, seed=start + T), exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bug", ["_rope_bug", "_slot_bug"])
+def test_gpu_negative_controls(bug):
+    R = load_kernels("rope")
+    assert not passes(run_case(R, Q1, 6, 4157, 4160, True, seed=1, **{bug: True}), exact=True)
+
+
+@cpu_only
+@pytest.mark.parametrize("ring,start", [(False, 300), (True, 1000)])
+def test_interp(ring, start):
+    R = load_kernels("rope")
+    assert passes(run_case(R, MINI, 6, start, 576 if ring else start + 70, ring, seed=start), exact=False)
+
+
+@cpu_only
+@pytest.mark.parametrize("bug", ["_rope_bug", "_slot_bug"])
+def test_interp_negative_controls(bug):
+    R = load_kernels("rope")
+    assert not passes(run_case(R, MINI, 6, 1000, 576, True, seed=2, **{bug: True}), exact=False)
