@@ -319,6 +319,15 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
                    m_i, l_i, acc, BLOCK_M, HEAD_DIM)
 
 
+@triton.jit
+def _prefetch_kv_rows(K, V, kvh, stride_kh, stride_kn, stride_vh, stride_vn, rows, HEAD_DIM: tl.constexpr):
+    """Ask L2 for K and V rows ``rows`` of KV head ``kvh`` (every 128-byte line of a BF16 row)."""
+    rows = rows.to(tl.int64)
+    for c in tl.static_range(max(1, HEAD_DIM // 64)):
+        prefetch_l2(K + kvh.to(tl.int64) * stride_kh + rows * stride_kn + c * 64)
+        prefetch_l2(V + kvh.to(tl.int64) * stride_vh + rows * stride_vn + c * 64)
+
+
 @triton.jit(do_not_specialize=["W", "WINDOW", "R", "NUM_SPLITS"], launch_metadata=launch_signature)
 def _attn_split_v2_kernel(
     Q, K, V, ACC, ML, START, TL,
@@ -340,7 +349,10 @@ def _attn_split_v2_kernel(
     earlier steps; a prefetch returns no data, so it cannot read a stale value: the loop's loads come
     after the wait), then waits, releases its own dependent (the combine) and loads Q. Assumption
     (documented on ``decode_attention_full``): start_pos is not written by the kernel launched
-    immediately before the call."""
+    immediately before the call. ``TAIL_PREFETCH``: the split owning the boundary (masked) blocks
+    asks L2 for them at its start (coherent: rows the previous kernel is still writing are updated
+    in L2). ``TMA``: the unmasked loop's K/V tiles come through the descriptors ``KD`` / ``VD``.
+    ``TIMELINE``: diagnostic records into ``TL`` (see TIMELINE_FIELDS)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     prog = kvh * NUM_SPLITS + split
@@ -353,18 +365,15 @@ def _attn_split_v2_kernel(
         b_mid = tl.maximum(tl.minimum(b_end, start // BLOCK_N), b_begin)
         for j in tl.static_range(2):
             if b_mid + j < b_end:
-                rows = tl.minimum((b_mid + j) * BLOCK_N + tl.arange(0, BLOCK_N), seq_end - 1).to(tl.int64)
-                for c in tl.static_range(max(1, HEAD_DIM // 64)):
-                    prefetch_l2(K + kvh.to(tl.int64) * stride_kh + rows * stride_kn + c * 64)
-                    prefetch_l2(V + kvh.to(tl.int64) * stride_vh + rows * stride_vn + c * 64)
+                _prefetch_kv_rows(K, V, kvh, stride_kh, stride_kn, stride_vh, stride_vn,
+                                  tl.minimum((b_mid + j) * BLOCK_N + tl.arange(0, BLOCK_N), seq_end - 1),
+                                  HEAD_DIM)
     if PDL:
         if not IS_RING:
             last = tl.maximum(tl.minimum(b_end, start // BLOCK_N) * BLOCK_N - 1, 0)
             for j in tl.static_range(PREFETCH):
-                rows = tl.minimum((b_begin + j) * BLOCK_N + tl.arange(0, BLOCK_N), last).to(tl.int64)
-                for c in tl.static_range(max(1, HEAD_DIM // 64)):   # 128-byte lines of a BF16 row
-                    prefetch_l2(K + kvh.to(tl.int64) * stride_kh + rows * stride_kn + c * 64)
-                    prefetch_l2(V + kvh.to(tl.int64) * stride_vh + rows * stride_vn + c * 64)
+                _prefetch_kv_rows(K, V, kvh, stride_kh, stride_kn, stride_vh, stride_vn,
+                                  tl.minimum((b_begin + j) * BLOCK_N + tl.arange(0, BLOCK_N), last), HEAD_DIM)
         gdc_wait()
         gdc_launch_dependents()
     _stamp(TL, prog, 2, TIMELINE)
