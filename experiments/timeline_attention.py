@@ -10,11 +10,14 @@ one graph holding one call per rotating input set (>= 3x L2 of KV), replayed; th
 last replay give, for each call after the first, the phases relative to the end of the previous
 call's combine (the call boundary):
 
-    split: first/last entry, median/last wait, first/median/last end;
-    combine: first entry, last wait, last end  (= the next boundary: the call's period).
+    split: first/last entry, median/last wait, first/median/90th-percentile/last end;
+    combine: first entry, last wait, last "den" (m and l arrived and reduced), last "num" (the
+    weighted sum of the partials done), last end  (= the next boundary: the call's period).
 
-It also times the same graph without records, so the instrumentation's cost is visible. Prints a
-table; $OUT/timeline_attention.json holds every record.
+It also times the same graph without records, so the instrumentation's cost is visible, and
+measures the copy and a read-only (sum) bandwidth. Prints a table; $OUT/timeline_attention.json
+holds the records of the first eight calls per configuration (ns after the first call's first
+entry), $OUT/timeline_attention.csv the summaries.
 """
 from __future__ import annotations
 
