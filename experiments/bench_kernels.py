@@ -40,6 +40,7 @@ from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
 from runtime.kernels import norm as N  # noqa: E402
 from runtime.kernels import rope as R  # noqa: E402
+from runtime.fast import FastModel  # noqa: E402
 from runtime.kernels import sampler as S  # noqa: E402
 
 ROWS: list[dict] = []
@@ -353,10 +354,7 @@ def torch_rope_kv(qkv, cos2, sin2, nh, nkv, kc, vc, slots, labels=None, position
     """The fast step's sequence before session 12: the reference's RoPE in FP32, then index_copy_."""
     T = qkv.shape[0]
     d = kc.shape[2]
-    x = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d)
-    xf = x.float()
-    h = d // 2
-    qk = (xf * cos2 + torch.cat([-xf[..., h:], xf[..., :h]], -1) * sin2).to(x.dtype)
+    qk = FastModel._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), cos2, sin2)
     kc.index_copy_(1, slots, qk[:, nh:].transpose(0, 1))
     vc.index_copy_(1, slots, qkv[:, (nh + nkv) * d:].view(T, nkv, d).transpose(0, 1))
     if labels is not None:

@@ -123,6 +123,7 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 # weighted sum of the partials done (split: 0; stamps inside its loop cost more than they show). See
 # ``experiments/timeline_attention.py``.
 TIMELINE_FIELDS = 6
+_TL_FIELDS = tl.constexpr(TIMELINE_FIELDS)
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def _stamp(TL, prog, field: tl.constexpr, TIMELINE: tl.constexpr):
     """Diagnostics only (compiled out unless TIMELINE): the global timer (and at field 1 the SM) of
     program ``prog`` into its timeline record."""
     if TIMELINE:
-        rec = TL + prog.to(tl.int64) * 6
+        rec = TL + prog.to(tl.int64) * _TL_FIELDS
         if field == 1:
             tl.store(rec, smid().to(tl.int64))
         tl.store(rec + field, globaltimer())
@@ -143,7 +144,7 @@ def _stamp_after(TL, prog, field: tl.constexpr, x, TIMELINE: tl.constexpr):
         t = tl.inline_asm_elementwise(
             "{ .reg .b32 z; and.b32 z, $1, 0; mov.u64 $0, %globaltimer; }", "=l,r",
             [x.to(tl.int32, bitcast=True)], dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(TL + prog.to(tl.int64) * 6 + field, t)
+        tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + field, t)
 
 
 @triton.jit
@@ -217,19 +218,24 @@ def _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_
 
 
 @triton.jit
+def _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A split's K/V bases for KV head ``kvh`` and its empty online-softmax state (m, l, acc)."""
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    return k_base, v_base, m_i, l_i, acc
+
+
+@triton.jit
 def _split_partial(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn, stride_vh, stride_vn,
                    stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, lo, seq_end,
                    b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One split: online softmax of the packed Q tile over key blocks [b_begin, b_end) of the
     logical range starting at ``lo``; stores the un-normalised partial (acc, m, l) of ``split``."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_base = K + kvh.to(tl.int64) * stride_kh
-    v_base = V + kvh.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
     for b in range(b_begin, b_end):
         m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
                                       seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
@@ -279,11 +285,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     control of the tests) runs every block below the range's end unmasked, the causal boundary too."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_base = K + kvh.to(tl.int64) * stride_kh
-    v_base = V + kvh.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
     if IS_RING:
         b_mid = b_begin
     else:   # lo = 0: block b is [b * BLOCK_N, (b + 1) * BLOCK_N), unmasked iff it ends at or below start
@@ -654,12 +656,13 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     check(prefetch >= 0, "prefetch >= 0")
     block_d = min(COMBINE_BLOCK_D if combine_block_d is None else combine_block_d, d)
     # _timeline (diagnostics, v2): int64 [num_splits * nkv + w * nh * d / block_d, TIMELINE_FIELDS]
-    # records of (smid, t_entry, t_wait, t_end) per split program, then per combine program.
+    # records (see TIMELINE_FIELDS) per split program, then per combine program.
     timeline = _timeline is not None
     if timeline:
         check(variant == "v2" and _timeline.dtype == torch.int64 and _timeline.is_contiguous()
               and _timeline.numel() >= (num_splits * nkv + w * nh * (d // block_d)) * TIMELINE_FIELDS,
-              "_timeline: v2, contiguous int64 [num_splits * nkv + w * nh * d / combine_block_d, 4]")
+              f"_timeline: v2, contiguous int64 [num_splits * nkv + w * nh * d / combine_block_d, "
+              f"{TIMELINE_FIELDS}]")
     tl_buf = _timeline if timeline else acc
     # (an L2 prefetch is inline PTX: compiled CUDA only; the interpreter skips it)
     tail_prefetch = (TAIL_PREFETCH if tail_prefetch is None else bool(tail_prefetch)) and compiled_cuda(q.device)

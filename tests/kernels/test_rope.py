@@ -38,9 +38,9 @@ def run_case(R, shape, T, start, slots, ring, seed, **kw):
     labels = torch.full((slots,), -1, dtype=torch.int64, device=dev) if ring else None
     q = torch.full((T, nh, d), float("nan"), dtype=torch.bfloat16, device=dev)
     R.rope_kv_write(qkv, cos2, sin2, nh, nkv, kc, vc, sl, q, labels=labels, positions=pos if ring else None, **kw)
-    x = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d).float()
-    h = d // 2
-    ref = (x * cos2 + torch.cat([-x[..., h:], x[..., :h]], -1) * sin2).to(torch.bfloat16)
+    from runtime.fast import FastModel   # the fast step's torch RoPE (its reference-attention path)
+
+    ref = FastModel._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), cos2, sin2)
     v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
     others = torch.ones(slots, dtype=torch.bool, device=dev)
     others[sl] = False
