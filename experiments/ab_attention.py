@@ -44,6 +44,11 @@ CONFIGS = {
     # the combine releases its dependent (the next call's split) at its start and the split asks L2
     # for its first two blocks before its wait: what a predecessor that triggers early would allow
     "trigger_pf2": dict(_combine_trigger=True, prefetch=2),
+    "trigger": dict(_combine_trigger=True),
+    "trigger_pf4": dict(_combine_trigger=True, prefetch=4),
+    "trigger_pf8": dict(_combine_trigger=True, prefetch=8),
+    # the split launched plainly: no overlap with the previous call (its latency, not its throughput)
+    "iso": dict(_split_pdl=False),
 }
 
 

@@ -40,6 +40,7 @@ from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
 from runtime.kernels import norm as N  # noqa: E402
 from runtime.kernels import rope as R  # noqa: E402
+from runtime.kernels import router as RT  # noqa: E402
 from runtime.fast import FastModel  # noqa: E402
 from runtime.kernels import sampler as S  # noqa: E402
 
@@ -389,6 +390,32 @@ def bench_rope(copy_bw, l2, sweep):
             record("rope_kv", shape, "torch_in_graph", torch_calls, nbytes, copy_bw, eager=False)
 
 
+# ----------------------------------------------------------------------------------- router
+def bench_router(copy_bw, l2, sweep):
+    """The one-launch router (route_topk) against the reference's torch sequence (SGEMM of the BF16
+    input against the FP32 router, topk, softmax) captured in a graph, at the q1 router (E = 128,
+    H = 6144) and w = 6 / 8. Bytes: the BF16 router weight (the kernel's minimum) and x."""
+    H, E = MOE["H"], MOE["E"]
+    for w in (6, 8):
+        sets = n_sets(E * H * 2, l2, cap=64)
+        data = [(torch.randn(w, H, device=DEV).to(torch.bfloat16),
+                 (torch.randn(E, H, device=DEV) / math.sqrt(H)).to(torch.bfloat16)) for _ in range(sets)]
+        r32 = [r.float() for _, r in data]
+        cnt = torch.zeros(1, dtype=torch.int32, device=DEV)
+        outs = [(torch.empty(w, 8, dtype=torch.int32, device=DEV), torch.empty(w, 8, device=DEV)) for _ in data]
+        nbytes = E * H * 2 + w * H * 2 + w * 8 * 8
+        calls = [(lambda x=x, r=r, o=o: RT.route_topk(x, r, 8, counter=cnt, ids=o[0], weights=o[1]))
+                 for (x, r), o in zip(data, outs)]
+
+        def torch_route(x, r32):   # Model.route with FastModel's FP32 router copy
+            top, ids = (x.float() @ r32.T).topk(8, dim=-1)
+            return ids, torch.softmax(top, dim=-1)
+        torch_calls = [(lambda x=x, r=r: torch_route(x, r)) for (x, _), r in zip(data, r32)]
+        record("router", f"E{E}_H{H}_w{w}", "default", calls, nbytes, copy_bw, ref_calls=torch_calls[:4])
+        record("router", f"E{E}_H{H}_w{w}", "torch_in_graph", torch_calls, nbytes, copy_bw, eager=False)
+        del data, r32
+
+
 # ---------------------------------------------------------------------------------- sampler
 def bench_sampler(copy_bw, l2, sweep):
     w = SAMPLER["w"]
@@ -419,7 +446,7 @@ def bench_sampler(copy_bw, l2, sweep):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants")
-    ap.add_argument("--only", default="attention,moe,norm,rope,sampler")
+    ap.add_argument("--only", default="attention,moe,norm,rope,router,sampler")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy shapes (script check)")
     args = ap.parse_args()
     sweep = not args.no_sweep
@@ -435,7 +462,7 @@ def main():
     copy_bw, copy_t = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (2 GiB copy, read+write, {copy_t * 1e3:.3f} ms)",
           flush=True)
-    benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope,
+    benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope, router=bench_router,
                    sampler=bench_sampler)
     t0 = time.time()
     for name in args.only.split(","):

@@ -59,6 +59,7 @@ from runtime.speculative import DecodeState, Round  # noqa: E402
 
 T_START = time.perf_counter()
 ROWS: list[dict] = []
+PROFILES: dict[int, dict] = {}   # context -> per-kernel profile of the fast graph (--profile)
 W, DEPTHS = 6, 5             # live rows of the verify pass; draft-layer passes (depth 1 + 2..5)
 DISTINCT_6ROWS = 38          # routed experts of a 6-row pass (the brief's working number)
 
@@ -89,8 +90,92 @@ def time_step(step, restore, reps: int, warmup: int) -> dict:
             "host_ms": statistics.median(hs) * 1e3, "reps": reps}
 
 
-def time_graph(step, restore, reps: int) -> dict:
-    """The step captured once as a CUDA graph (after eager warm-up), replayed after each restore."""
+# Kernel-name patterns -> the part of the step they belong to (first match wins; --profile).
+KERNEL_PARTS = (
+    ("attention split", ("_attn_split",)), ("attention combine", ("_attn_combine",)),
+    ("attention (fused)", ("_attn_fused",)), ("rope + kv write", ("_rope_kv",)),
+    ("router", ("_router",)), ("moe gate/up", ("_moe_gate_up",)), ("moe down", ("_moe_down",)), ("moe reduce", ("_moe_reduce",)),
+    ("add + rmsnorm", ("_add_rmsnorm", "rmsnorm")), ("sampler", ("_sample", "_topk_", "_topp")),
+    ("dense GEMM (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("torch topk/sort", ("topk", "sort", "radix")), ("torch softmax", ("softmax",)),
+    ("torch reduce", ("reduce_kernel",)), ("torch copy/cast/fill", ("copy", "fill", "cast")),
+    ("torch elementwise", ("elementwise", "vectorized", "unrolled")), ("torch index/cat", ("index", "cat", "gather", "scatter")),
+)
+
+
+def kernel_part(name: str) -> str:
+    low = name.lower()
+    for part, pats in KERNEL_PARTS:
+        if any(p.lower() in low for p in pats):
+            return part
+    return "other"
+
+
+def _kernel_times(prof) -> dict[str, list]:
+    """{kernel name: [total us, count]} from a profiler's trace (events of category "kernel")."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    out: dict[str, list] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("cat") == "kernel":
+            k = out.setdefault(ev["name"], [0.0, 0])
+            k[0] += float(ev.get("dur", 0.0))
+            k[1] += 1
+    return out
+
+
+def profile_replays(replay, restore, n: int = 3) -> dict:
+    """Per-kernel device time of ``n`` replays under torch.profiler (CUPTI records the kernels of a
+    graph replay one by one), less the kernels of ``n`` restores alone: {"parts": {part: {us, count}},
+    "kernels": [[name, us, count]] (top first), "kernel_us": their sum}, all per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        restore()
+        replay()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            restore()
+            replay()
+        sync()
+    kernels = _kernel_times(prof)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof_r:   # the restores' own copies
+        for _ in range(n):
+            restore()
+        sync()
+    for name, (us, c) in _kernel_times(prof_r).items():
+        if name in kernels:
+            kernels[name][0] -= us
+            kernels[name][1] -= c
+    rows = sorted(([name, us / n, c / n] for name, (us, c) in kernels.items() if c > 0), key=lambda r: -r[1])
+    parts: dict[str, dict] = {}
+    for name, us, c in rows:
+        p = parts.setdefault(kernel_part(name), {"us": 0.0, "count": 0.0})
+        p["us"] += us
+        p["count"] += c
+    return {"parts": dict(sorted(parts.items(), key=lambda kv: -kv[1]["us"])), "kernels": rows,
+            "kernel_us": sum(r[1] for r in rows), "replays": n}
+
+
+def print_profile(prof: dict, step_ms: float) -> None:
+    log(f"per-kernel device time of one step (sum {prof['kernel_us'] / 1e3:.2f} ms; the graph takes "
+        f"{step_ms:.2f} ms: the rest is launch gaps and dependent waits; PDL overlap can make the sum larger)")
+    for part, v in prof["parts"].items():
+        print(f"    {part:<24} {v['us'] / 1e3:8.3f} ms  {v['count']:7.0f} launches  "
+              f"{100 * v['us'] / (step_ms * 1e3):5.1f} % of the step", flush=True)
+    print("    top kernels:", flush=True)
+    for name, us, c in prof["kernels"][:25]:
+        print(f"    {us / 1e3:8.3f} ms {c:6.0f}x  {name[:110]}", flush=True)
+
+
+def time_graph(step, restore, reps: int, profile: bool = False) -> dict:
+    """The step captured once as a CUDA graph (after eager warm-up), replayed after each restore;
+    ``profile``: also the per-kernel device time of a few replays (``profile_replays``)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -103,6 +188,8 @@ def time_graph(step, restore, reps: int) -> dict:
     with torch.cuda.graph(g):
         step()
     out = time_step(g.replay, restore, reps, warmup=2)
+    if profile:
+        out["profile"] = profile_replays(g.replay, restore)
     del g
     return out
 
@@ -351,8 +438,12 @@ def bench_q1(args, copy_bw):
             log(f"q1 ctx={L} fast (eager): {res['fast']['ms']:.2f} ms/step (host {res['fast']['host_ms']:.2f} ms)")
             if CUDA and not args.no_graph:
                 try:
-                    res["fast-graph"] = time_graph(step_fn(r_fast, st), restore, args.reps_fast)
+                    res["fast-graph"] = time_graph(step_fn(r_fast, st), restore, args.reps_fast,
+                                                   profile=args.profile)
                     log(f"q1 ctx={L} fast (CUDA graph): {res['fast-graph']['ms']:.2f} ms/step")
+                    if "profile" in res["fast-graph"]:
+                        PROFILES[L] = res["fast-graph"].pop("profile")
+                        print_profile(PROFILES[L], res["fast-graph"]["ms"])
                 except Exception as e:  # reported, not fatal: the eager numbers stand
                     log(f"q1 ctx={L} fast (CUDA graph) FAILED: {type(e).__name__}: {e}")
                     res["fast-graph"] = {"error": f"{type(e).__name__}: {e}"}
@@ -414,6 +505,9 @@ def main() -> int:
     ap.add_argument("--no-mini", action="store_true")
     ap.add_argument("--no-q1", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip further q1 contexts past this")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the fast step's CUDA graph per kernel (torch.profiler): device time "
+                         "per part of the step (attention, MoE, GEMMs, norms, torch glue), top kernels")
     args = ap.parse_args()
     args.reps_fast = args.reps_fast or (1 if DRY_RUN else 20)
     args.reps_ref = args.reps_ref or (1 if DRY_RUN else 5)
@@ -429,7 +523,8 @@ def main() -> int:
     wbytes = None
     if not args.no_q1:
         wbytes = bench_q1(args, copy_bw)
-    out = write_results("bench_step", {"env": env, "copy_bw": copy_bw, "weight_bytes": wbytes}, ROWS)
+    out = write_results("bench_step", {"env": env, "copy_bw": copy_bw, "weight_bytes": wbytes,
+                                       "profiles": PROFILES}, ROWS)
     if out:
         log(f"wrote {out}/bench_step.json, .csv")
     log("done")

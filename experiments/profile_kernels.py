@@ -31,7 +31,7 @@ def moe_call():
     s2 = (torch.rand(E, H // 128, I // 128, device="cuda") + 0.5) / math.sqrt(I)
     ids = routing(w, E, MOE["realistic"], seed=0).cuda()
     tw = torch.softmax(torch.rand(w, 8, device="cuda"), 1)
-    x = torch.randn(w, H, device="cuda").to(torch.bfloat16)
+    x = torch.randn(w, H, device="cuda").to(torch.bfloat16).to(torch.float16)   # the norm's FP16 copy (runtime)
     out = torch.empty(w, H, device="cuda", dtype=torch.bfloat16)
     return lambda: M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out)
 

@@ -14,7 +14,8 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
                                                p % R, labels too)
     o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
     h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16)
-    ids, weights = route(h)                    FP32 router logits from the BF16 input (reference)
+    ids, weights = route_topk(h, router, 8)    FP32 router logits from the BF16 input, top 8,
+                                               softmax: one kernel (the reference: 3-5 torch launches)
     m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
     h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only)
 
@@ -58,6 +59,7 @@ from .kernels import attention as _attn
 from .kernels import moe as _moe
 from .kernels import norm as _norm
 from .kernels import rope as _rope
+from .kernels import router as _router
 from .kernels import sampler as _sampler
 from .model import KVCache, LayerWeights, Model, ModelCache, attend_chunked, visible_keys, write_decode
 from .sampling import draw, filter_dist
@@ -189,6 +191,9 @@ class FastModel(Model):
         d = cfg.head_dim
         self._inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d)
         self._router32: dict[int, torch.Tensor] = {}
+        # route_topk's arrival counter: zero, and left zero by every call (one per model: calls are
+        # stream-ordered)
+        self._route_counter = torch.zeros(1, dtype=torch.int32, device=dev)
         self._qkv: dict[int, torch.Tensor] = {}
         nq, nk = sh.num_heads * d, sh.num_kv_heads * d
         for lw in self.layers + [m.layer for m in self.mtp]:
@@ -244,7 +249,13 @@ class FastModel(Model):
         return (xf * cos2 + rot * sin2).to(x.dtype)
 
     def route(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the reference (FP32 logits from the BF16-rounded input), with the FP32 router kept."""
+        """As the reference (FP32 logits from the BF16-rounded input). With ``kernels.moe=fast``, a
+        decode pass (at most ``_router.BLOCK_T`` rows) routes in one launch (``route_topk``: ids int32,
+        the logits summed in another order than cuBLAS's, so near ties may resolve differently);
+        otherwise torch with the FP32 router kept."""
+        if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T and lw.router.dtype == _BF16:
+            return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok,
+                                      counter=self._route_counter)
         r = self._router32.get(id(lw))
         if r is None:
             return super().route(lw, x)

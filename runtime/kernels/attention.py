@@ -589,7 +589,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             combine_block_d=None, combine_block_s=None, pdl=None, prefetch=None, min_block_m=None,
             _drop_last=False,
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
-            _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False):
+            _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -674,7 +674,10 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
                                                         TIMELINE=timeline, TAIL_PREFETCH=tail_prefetch,
                                                         KD=kd, VD=vd, TMA=kd is not None))
                            if variant == "v2" else (_attn_split_kernel, {}))
-    if pdl and variant == "v2":   # v2's split is itself a programmatic dependent of the previous kernel
+    # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
+    # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
+    # benchmark sees the call's latency without overlap with its predecessor.
+    if pdl and variant == "v2" and (_split_pdl is None or _split_pdl):
         extra["launch_pdl"] = True
     split_kernel[(num_splits, nkv)](
         q, k, v, acc, ml, start_pos, *((tl_buf,) if variant == "v2" else ()),

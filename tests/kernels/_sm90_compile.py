@@ -79,7 +79,7 @@ def _compile_only(name, sink):
     return mod
 
 
-def _launch_everything(A, M, Nm, S, R):
+def _launch_everything(A, M, Nm, S, R, RT):
     bf = torch.bfloat16
     for d, window, E, H, I in ((128, 4096, 128, 6144, 256), (64, 512, 32, 256, 128)):
         for w in (4, 8):
@@ -136,6 +136,9 @@ def _launch_everything(A, M, Nm, S, R):
             R.rope_kv_write(torch.randn(8, (nh + 2) * d).to(bf), torch.ones(8, 1, d), torch.ones(8, 1, d), nh, 1,
                             kc, kc.clone(), torch.arange(8), labels=torch.zeros(4160, dtype=torch.int64) if ring else None,
                             positions=torch.arange(8) if ring else None)
+    for T, E, H in ((6, 128, 6144), (16, 32, 256)):                  # the router (q1, mini)
+        for bug in (False, True):
+            RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _order_bug=bug)
     for V in (20000, 4096):
         for bitonic in (True, False):
             S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, bitonic=bitonic)
@@ -150,7 +153,7 @@ def main():
 
     sink = []
     drv.set_active(_Sm90Driver())
-    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope")]
+    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope", "router")]
     for m in mods[:2]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
         m.pdl_supported = lambda device: True
     mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches

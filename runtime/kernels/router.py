@@ -1,0 +1,149 @@
+"""MoE router for the decode round in one launch: FP32 logits, top-k, softmax over the chosen k.
+
+The reference routes with three to five torch launches per layer (an FP32 SGEMM of the BF16 input
+against the upcast router weight, a split-K reduce, ``topk`` = a gather and a bitonic sort, a
+softmax): about 25 us per layer on the H200 (``bench_step.py --profile``, session 13), for 1.5 MB of
+router weight (0.4 us of bandwidth).
+
+Algorithm (``_router_kernel``, grid (ceil(E / BLOCK_E), SPLIT_H))
+------------------------------------------------------------------
+Program (e, s) computes the partial logits of experts [e * BLOCK_E, ...) for all rows over the s-th
+slice of H: BF16 x against the BF16 router rows (products exact in FP32, FP32 accumulation on the
+tensor cores), and stores them (FP32) to a workspace. Then it takes a ticket on an arrival counter
+(release/acquire); the last program to arrive sums the SPLIT_H partials in split order (a fixed
+order: deterministic), selects per row the K largest logits with K max-reductions of int64 keys
+(order-preserving value bits, then the inverted index: largest first, among equal logits the lower
+expert index first) and writes their expert ids (int32, what the MoE kernel reads) and
+softmax(top values) (FP32), then re-zeroes the counter for the next call (CUDA-graph replay).
+
+Same contract as ``Model.route`` (FP32 logits of the BF16-rounded input; ids of the top k; weights
+renormalised over them). The logits are summed in a different order than cuBLAS's, so they differ
+from the reference's in the last bits: ids agree except where two logits are that close (a near
+tie), which the tests check explicitly. Assumption: calls sharing a counter buffer do not overlap
+(stream order).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, launch_signature, next_pow2
+
+BLOCK_E = 16      # experts per program (the tensor-core product's N >= 16)
+SPLIT_H = 8       # H slices: 8 x 8 = 64 programs at E = 128; each reads 16 x 768 BF16 = 24 KiB
+BLOCK_K = 128
+BLOCK_T = 16      # rows, padded (the product's M >= 16)
+NUM_WARPS = 4
+_KEY_MIN = tl.constexpr(-(2 ** 63))
+
+
+@triton.jit(launch_metadata=launch_signature)
+def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, stride_w, T,
+                   H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, HS: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_H: tl.constexpr, E_POW2: tl.constexpr, ORDER_BUG: tl.constexpr = False):
+    eb = tl.program_id(0)
+    hs = tl.program_id(1)
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    h_lo = hs * HS
+    h_hi = tl.minimum(h_lo + HS, H)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k0 in range(h_lo, h_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < h_hi
+        x = tl.load(X + offs_t[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        r = tl.load(R + offs_e[:, None] * stride_r + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(r))
+    part = PART + hs * (BLOCK_T * E_POW2)
+    tl.store(part + offs_t[:, None] * E_POW2 + offs_e[None, :], acc, mask=e_ok[None, :])
+    # every thread's stores precede (bar.sync) the one release-add that publishes them
+    tl.debug_barrier()
+    ticket = tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_prog - 1:   # the last program: all partials are visible (acquire)
+        offs_a = tl.arange(0, E_POW2)
+        logits = tl.zeros([BLOCK_T, E_POW2], tl.float32)
+        for s in tl.static_range(SPLIT_H):
+            logits += tl.load(PART + s * (BLOCK_T * E_POW2) + offs_t[:, None] * E_POW2 + offs_a[None, :],
+                              cache_modifier=".cg")
+        # one int64 key per logit: order-preserving bits of the value (+ 0.0: -0 and +0 tie), then the
+        # index inverted, so that one max picks the largest value and, among equal ones, the lower
+        # index (ORDER_BUG, negative control: the higher)
+        b = (logits + 0.0).to(tl.int32, bitcast=True)
+        b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+        low = offs_a if ORDER_BUG else 0x7FFFFFFF - offs_a
+        keys = (b.to(tl.int64) << 32) | low[None, :].to(tl.int64)
+        keys = tl.where((offs_a < E)[None, :], keys, _KEY_MIN)
+        offs_k = tl.arange(0, K)
+        top = tl.full([BLOCK_T, K], _KEY_MIN, tl.int64)
+        for j in tl.static_range(K):   # K max-reductions (keys are distinct)
+            m = tl.max(keys, 1)
+            top = tl.where(offs_k[None, :] == j, m[:, None], top)
+            keys = tl.where(keys == m[:, None], _KEY_MIN, keys)
+        low_k = (top & 0x7FFFFFFF).to(tl.int32)
+        ids = low_k if ORDER_BUG else 0x7FFFFFFF - low_k
+        vb = (top >> 32).to(tl.int32)
+        vb = tl.where(vb < 0, vb ^ 0x7FFFFFFF, vb)
+        val = vb.to(tl.float32, bitcast=True)
+        p = tl.exp(val - tl.max(val, 1)[:, None])
+        wts = p / tl.sum(p, 1)[:, None]
+        ok = t_ok[:, None]
+        tl.store(IDS + offs_t[:, None] * stride_ids + offs_k[None, :], ids, mask=ok)
+        tl.store(WTS + offs_t[:, None] * stride_w + offs_k[None, :], wts, mask=ok)
+        tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
+
+
+def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, _order_bug=False,
+               _poison=False):
+    """(ids [T, k] int32, weights [T, k] FP32) of the top-k experts of FP32 logits x @ router^T.
+
+    x [T, H] BF16 (T <= 16), router [E, H] BF16 (E <= 1024, k a power of two <= E). ``counter``: an
+    int32 device tensor holding zero, left zero by every call (pass a persistent one for CUDA-graph
+    capture; otherwise one is zeroed per call). ``ids`` / ``weights``: outputs to write into.
+    ``split_h``: H slices (default SPLIT_H). ``_order_bug``: negative control of the tests (equal
+    logits in the wrong order); ``_poison``: the partial-logit workspace starts as NaN (tests: a
+    finalise that reads a partial before it is written shows)."""
+    check(x.dim() == 2 and router.dim() == 2 and x.shape[1] == router.shape[1], "x [T, H], router [E, H]")
+    check(x.dtype == torch.bfloat16 and router.dtype == torch.bfloat16, "x and router in BF16")
+    check(x.stride(1) == 1 and router.stride(1) == 1, "contiguous rows")
+    check(x.device == router.device, "x and router on one device")
+    T, H = x.shape
+    E = router.shape[0]
+    check(1 <= T <= BLOCK_T, f"at most {BLOCK_T} rows")
+    check(k >= 1 and k & (k - 1) == 0 and k <= E <= 1024, "k a power of two, k <= E <= 1024")
+    split = int(split_h or SPLIT_H)
+    check(split >= 1, "split_h >= 1")
+    dev = x.device
+    if counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    check(counter.dtype == torch.int32 and counter.device == dev and counter.numel() >= 1, "counter: int32 on x's device")
+    if ids is None:
+        ids = torch.empty((T, k), dtype=torch.int32, device=dev)
+    if weights is None:
+        weights = torch.empty((T, k), dtype=torch.float32, device=dev)
+    check(ids.shape == (T, k) and ids.dtype == torch.int32 and ids.stride(1) == 1, "ids [T, k] int32")
+    check(weights.shape == (T, k) and weights.dtype == torch.float32 and weights.stride(1) == 1,
+          "weights [T, k] fp32")
+    e_pow2 = max(16, next_pow2(E))
+    shape = (split, BLOCK_T, e_pow2)
+    part = (torch.full(shape, float("nan"), dtype=torch.float32, device=dev) if _poison
+            else torch.empty(shape, dtype=torch.float32, device=dev))
+    hs = triton.cdiv(triton.cdiv(H, split), BLOCK_K) * BLOCK_K   # H per slice, whole BLOCK_K steps
+    _router_kernel[(triton.cdiv(E, BLOCK_E), split)](
+        x, router, part, counter, ids, weights, x.stride(0), router.stride(0), ids.stride(0),
+        weights.stride(0), T,
+        H=H, E=E, K=k, HS=hs, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT_H=split,
+        E_POW2=e_pow2, ORDER_BUG=bool(_order_bug), num_warps=NUM_WARPS,
+    )
+    return ids, weights
+
+
+def route_reference(x, router, k):
+    """``Model.route``'s arithmetic: (ids int64, weights FP32, logits FP32) of x (BF16-rounded) @ router^T."""
+    logits = x.to(torch.bfloat16).float() @ router.float().T
+    top, ids = logits.topk(k, dim=-1)
+    return ids, torch.softmax(top, dim=-1), logits
