@@ -122,6 +122,9 @@ def _launch_everything(A, M, Nm, S, R, RT):
             for pf, rb in ((2, None), (0, 256)):                # programmatic dependent launches
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
                                 down_prefetch=pf, red_block_h=rb)
+            for u, st in ((2, 3), (2, 4)):                      # two K steps per Gate/Up iteration
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_unroll=u,
+                                gu_num_stages=st)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
         for rdt in (bf, torch.float32):

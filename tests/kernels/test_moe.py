@@ -413,3 +413,37 @@ def test_interp_mini_fp16_x_same_output():
     o_bf, o_16, o_other = _fp16_x_outputs(M, MINI, make_weights(MINI["H"], MINI["I"], MINI["E"], 4), 6, seed=61)
     assert torch.equal(o_bf, o_16)
     assert not torch.equal(o_bf, o_other)
+
+
+def _unroll_pair(M, shape, weights, w, kind, seed, unroll, **kw):
+    """(output with one K step per Gate/Up iteration, output with ``unroll``) on the same inputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(w, shape["H"], generator=g).to(torch.bfloat16).to(_dev())
+    ids, tw = make_routing(w, shape["E"], kind, seed + 1)
+    return [M.fused_moe_fp8(x, ids, tw, *weights, gu_unroll=u, **kw) for u in (1, unroll)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("unroll,stages", [(2, 2), (2, 3), (2, 4)])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (8, "same")])
+def test_q1_shard_gu_unroll(w, kind, unroll, stages):
+    """Several K steps per Gate/Up iteration: the same products in the same order, so the same
+    output bit for bit; the reference bound and the wrong-scale-block control as everywhere."""
+    M = load_kernels("moe")
+    a, b = _unroll_pair(M, Q1, _q1_weights(), w, kind, seed=70 + w, unroll=unroll, gu_num_stages=stages)
+    assert torch.equal(a, b)
+    assert _ok(run_case(M, Q1, w, kind, seed=71 + w, weights=_q1_weights(), gu_unroll=unroll, gu_num_stages=stages))
+    assert _rejected(run_case(M, Q1, w, kind, seed=72 + w, weights=_q1_weights(), gu_unroll=unroll,
+                              gu_num_stages=stages, _scale_bug=True))
+
+
+@cpu_only
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_interp_gu_unroll(unroll):
+    """3 does not divide MINI_K's 4 H blocks: the last iteration's extra step is masked."""
+    M = load_kernels("moe")
+    weights = make_weights(MINI_K["H"], MINI_K["I"], MINI_K["E"], 5)
+    a, b = _unroll_pair(M, MINI_K, weights, 6, "shared", seed=8, unroll=unroll)
+    assert torch.equal(a, b)
+    assert _rejected(run_case(M, MINI_K, 6, "shared", seed=5, gu_unroll=unroll, _scale_bug=True))
+
