@@ -74,6 +74,22 @@ def _tie_case(R, shape, bug=False):
     return row.index(3) < row.index(9), row
 
 
+def _assert_tie_order_and_control(R, shape):
+    ok, row = _tie_case(R, shape)
+    assert ok is True, row
+    bad, row_bad = _tie_case(R, shape, bug=True)   # negative control: higher index first
+    assert bad is False, row_bad
+
+
+def _assert_stale_counter_caught(R, shape):
+    """A counter left one short of zero (-1): no program draws the last ticket, nothing finalises,
+    the poisoned outputs stay, and the reference check must fail."""
+    x, r = _inputs(shape, 6, 2)
+    ids, wts = _route(R, x, r, counter=torch.full((1,), -1, dtype=torch.int32, device=_dev()))
+    with pytest.raises(AssertionError):
+        _check_against_reference(R, x, r, ids, wts)
+
+
 # ----------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 6, 8, 16])
@@ -96,11 +112,7 @@ def test_splits(split_h):
 
 @pytest.mark.gpu
 def test_ties_lower_index_first_and_negative_control():
-    R = load_kernels("router")
-    ok, row = _tie_case(R, Q1)
-    assert ok is True, row
-    bad, row_bad = _tie_case(R, Q1, bug=True)
-    assert bad is False, row_bad
+    _assert_tie_order_and_control(load_kernels("router"), Q1)
 
 
 @pytest.mark.gpu
@@ -128,14 +140,8 @@ def test_graph_replay_counter_stays_zero():
 
 @pytest.mark.gpu
 def test_stale_counter_is_caught():
-    """Negative control of the arrival protocol: a counter left one short of zero (-1) means no
-    program draws the last ticket, nothing finalises, the poisoned outputs stay, and the reference
-    check must fail."""
-    R = load_kernels("router")
-    x, r = _inputs(Q1, 6, 2)
-    ids, wts = _route(R, x, r, counter=torch.full((1,), -1, dtype=torch.int32, device="cuda"))
-    with pytest.raises(AssertionError):
-        _check_against_reference(R, x, r, ids, wts)
+    """Negative control of the arrival protocol."""
+    _assert_stale_counter_caught(load_kernels("router"), Q1)
 
 
 # ------------------------------------------------------------------------------ CPU interpreter
@@ -148,17 +154,9 @@ def test_interp_matches_reference(T):
 
 @cpu_only
 def test_interp_ties_and_negative_control():
-    R = load_kernels("router")
-    ok, row = _tie_case(R, MINI)
-    assert ok is True, row
-    bad, row_bad = _tie_case(R, MINI, bug=True)
-    assert bad is False, row_bad
+    _assert_tie_order_and_control(load_kernels("router"), MINI)
 
 
 @cpu_only
 def test_interp_stale_counter_is_caught():
-    R = load_kernels("router")
-    x, r = _inputs(MINI, 6, 2)
-    ids, wts = _route(R, x, r, counter=torch.full((1,), -1, dtype=torch.int32))
-    with pytest.raises(AssertionError):
-        _check_against_reference(R, x, r, ids, wts)
+    _assert_stale_counter_caught(load_kernels("router"), MINI)
