@@ -465,8 +465,8 @@ def main():
     copy_bw, copy_t = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (2 GiB copy, read+write, {copy_t * 1e3:.3f} ms)",
           flush=True)
-    benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope, router=bench_router,
-                   sampler=bench_sampler)
+    benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope,
+                   router=bench_router, sampler=bench_sampler)
     t0 = time.time()
     for name in args.only.split(","):
         t = time.time()

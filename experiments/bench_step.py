@@ -28,6 +28,9 @@ distinct-expert count observed in the run (random weights route more uniformly t
 model).
 
 Output: progress lines, then a short table last; $OUT/bench_step.json and .csv when OUT is set.
+``--profile`` also profiles a few replays of the fast step's graph per kernel (torch.profiler) and
+prints the device time per part of the step (attention, router, MoE, cuBLAS GEMMs, norms, torch glue)
+and the top kernels; the JSON keeps every kernel ("profiles").
 
 ``--dry-run`` runs the whole script on the CPU through the Triton interpreter at q1-tiny shapes
 (2 layers; rank emulation of 2; wall-clock "timings" that mean nothing), to check the script before
@@ -94,12 +97,14 @@ def time_step(step, restore, reps: int, warmup: int) -> dict:
 KERNEL_PARTS = (
     ("attention split", ("_attn_split",)), ("attention combine", ("_attn_combine",)),
     ("attention (fused)", ("_attn_fused",)), ("rope + kv write", ("_rope_kv",)),
-    ("router", ("_router",)), ("moe gate/up", ("_moe_gate_up",)), ("moe down", ("_moe_down",)), ("moe reduce", ("_moe_reduce",)),
-    ("add + rmsnorm", ("_add_rmsnorm", "rmsnorm")), ("sampler", ("_sample", "_topk_", "_topp")),
+    ("router", ("_router",)), ("moe gate/up", ("_moe_gate_up",)), ("moe down", ("_moe_down",)),
+    ("moe reduce", ("_moe_reduce",)), ("add + rmsnorm", ("_add_rmsnorm", "rmsnorm")),
+    ("sampler", ("_sample", "_topk_", "_topp")),
     ("dense GEMM (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("torch topk/sort", ("topk", "sort", "radix")), ("torch softmax", ("softmax",)),
     ("torch reduce", ("reduce_kernel",)), ("torch copy/cast/fill", ("copy", "fill", "cast")),
-    ("torch elementwise", ("elementwise", "vectorized", "unrolled")), ("torch index/cat", ("index", "cat", "gather", "scatter")),
+    ("torch elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("torch index/cat", ("index", "cat", "gather", "scatter")),
 )
 
 
@@ -118,7 +123,8 @@ def _kernel_times(prof) -> dict[str, list]:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as fh:
+            trace = json.load(fh)
     out: dict[str, list] = {}
     for ev in trace.get("traceEvents", []):
         if ev.get("cat") == "kernel":

@@ -11,9 +11,9 @@ Program (e, s) computes the partial logits of experts [e * BLOCK_E, ...) for all
 slice of H: BF16 x against the BF16 router rows (products exact in FP32, FP32 accumulation on the
 tensor cores), and stores them (FP32) to a workspace. Then it takes a ticket on an arrival counter
 (release/acquire); the last program to arrive sums the SPLIT_H partials in split order (a fixed
-order: deterministic), selects per row the K largest logits with K max-reductions of int64 keys
-(order-preserving value bits, then the inverted index: largest first, among equal logits the lower
-expert index first) and writes their expert ids (int32, what the MoE kernel reads) and
+order: deterministic), selects per row the K largest logits with K max-reductions of the sampler's
+int64 keys (order-preserving value bits, then the inverted index: largest first, among equal logits
+the lower expert index first) and writes their expert ids (int32, what the MoE kernel reads) and
 softmax(top values) (FP32), then re-zeroes the counter for the next call (CUDA-graph replay).
 
 Same contract as ``Model.route`` (FP32 logits of the BF16-rounded input; ids of the top k; weights
@@ -29,13 +29,13 @@ import triton
 import triton.language as tl
 
 from ._common import check, launch_signature, next_pow2
+from .sampler import _KEY_MIN, _keys
 
 BLOCK_E = 16      # experts per program (the tensor-core product's N >= 16)
 SPLIT_H = 8       # H slices: 8 x 8 = 64 programs at E = 128; each reads 16 x 768 BF16 = 24 KiB
 BLOCK_K = 128
 BLOCK_T = 16      # rows, padded (the product's M >= 16)
 NUM_WARPS = 4
-_KEY_MIN = tl.constexpr(-(2 ** 63))
 
 
 @triton.jit(launch_metadata=launch_signature)
@@ -70,13 +70,12 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         for s in tl.static_range(SPLIT_H):
             logits += tl.load(PART + s * (BLOCK_T * E_POW2) + offs_t[:, None] * E_POW2 + offs_a[None, :],
                               cache_modifier=".cg")
-        # one int64 key per logit: order-preserving bits of the value (+ 0.0: -0 and +0 tie), then the
+        # the sampler's int64 keys: order-preserving bits of the value (+ 0.0: -0 and +0 tie), then the
         # index inverted, so that one max picks the largest value and, among equal ones, the lower
-        # index (ORDER_BUG, negative control: the higher)
-        b = (logits + 0.0).to(tl.int32, bitcast=True)
-        b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-        low = offs_a if ORDER_BUG else 0x7FFFFFFF - offs_a
-        keys = (b.to(tl.int64) << 32) | low[None, :].to(tl.int64)
+        # index (ORDER_BUG, negative control: the index not inverted, the higher first)
+        keys = _keys(logits + 0.0, offs_a[None, :])
+        if ORDER_BUG:
+            keys = keys ^ 0x7FFFFFFF
         keys = tl.where((offs_a < E)[None, :], keys, _KEY_MIN)
         offs_k = tl.arange(0, K)
         top = tl.full([BLOCK_T, K], _KEY_MIN, tl.int64)
@@ -84,8 +83,9 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
             m = tl.max(keys, 1)
             top = tl.where(offs_k[None, :] == j, m[:, None], top)
             keys = tl.where(keys == m[:, None], _KEY_MIN, keys)
-        low_k = (top & 0x7FFFFFFF).to(tl.int32)
-        ids = low_k if ORDER_BUG else 0x7FFFFFFF - low_k
+        ids = (top & 0x7FFFFFFF).to(tl.int32)
+        if not ORDER_BUG:
+            ids = 0x7FFFFFFF - ids
         vb = (top >> 32).to(tl.int32)
         vb = tl.where(vb < 0, vb ^ 0x7FFFFFFF, vb)
         val = vb.to(tl.float32, bitcast=True)
