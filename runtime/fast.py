@@ -131,7 +131,7 @@ def kernels_runnable(device: torch.device) -> str | None:
     if not isinstance(std.cdiv, interpreter.InterpretedFunction):
         return ("TRITON_INTERPRET=1 is set but triton was imported before it: its library functions "
                 "are compiled ones (set the variable before anything imports triton)")
-    mods = (_attn, _moe, _norm, _rope, _sampler)
+    mods = (_attn, _moe, _norm, _rope, _router, _sampler)
     if any(not isinstance(f, interpreter.InterpretedFunction) for m in mods for f in _jitted(m)):
         return ("TRITON_INTERPRET=1 is set but runtime.kernels were imported before it: their "
                 "kernels are compiled ones, which cannot run on the CPU (re-import them after "
@@ -253,7 +253,7 @@ class FastModel(Model):
         decode pass (at most ``_router.BLOCK_T`` rows) routes in one launch (``route_topk``: ids int32,
         the logits summed in another order than cuBLAS's, so near ties may resolve differently);
         otherwise torch with the FP32 router kept."""
-        if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T and lw.router.dtype == _BF16:
+        if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T:   # (the router is BF16)
             return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok,
                                       counter=self._route_counter)
         r = self._router32.get(id(lw))
