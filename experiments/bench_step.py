@@ -30,7 +30,9 @@ model).
 Output: progress lines, then a short table last; $OUT/bench_step.json and .csv when OUT is set.
 ``--profile`` also profiles a few replays of the fast step's graph per kernel (torch.profiler) and
 prints the device time per part of the step (attention, router, MoE, cuBLAS GEMMs, norms, torch glue)
-and the top kernels; the JSON keeps every kernel ("profiles").
+and the top kernels; the JSON keeps every kernel ("profiles"). ``--ab NAME[,NAME]`` times the fast
+step's graph against a variant (``AB_VARIANTS``: the change applied to a second Round) in one run,
+replays alternating, and prints the per-pair ratio with its 10-90 % range.
 
 ``--dry-run`` runs the whole script on the CPU through the Triton interpreter at q1-tiny shapes
 (2 layers; rank emulation of 2; wall-clock "timings" that mean nothing), to check the script before
@@ -52,6 +54,7 @@ from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, time_call, write_results 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from runtime import rng  # noqa: E402
 from runtime.checkpoint import random_tensors  # noqa: E402
 from runtime.config import DraftConfig, SamplingConfig, TPConfig, load_model_config, make_shard  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
@@ -99,7 +102,7 @@ KERNEL_PARTS = (
     ("attention (fused)", ("_attn_fused",)), ("rope + kv write", ("_rope_kv",)),
     ("router", ("_router",)), ("moe gate/up", ("_moe_gate_up",)), ("moe down", ("_moe_down",)),
     ("moe reduce", ("_moe_reduce",)), ("add + rmsnorm", ("_add_rmsnorm", "rmsnorm")),
-    ("sampler", ("_sample", "_topk_", "_topp")),
+    ("sampler", ("_sample", "_topk_", "_topp")), ("uniforms", ("_uniform_kernel",)),
     ("dense GEMM (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("torch topk/sort", ("topk", "sort", "radix")), ("torch softmax", ("softmax",)),
     ("torch reduce", ("reduce_kernel",)), ("torch copy/cast/fill", ("copy", "fill", "cast")),
@@ -182,6 +185,16 @@ def print_profile(prof: dict, step_ms: float) -> None:
 def time_graph(step, restore, reps: int, profile: bool = False) -> dict:
     """The step captured once as a CUDA graph (after eager warm-up), replayed after each restore;
     ``profile``: also the per-kernel device time of a few replays (``profile_replays``)."""
+    g = capture(step, restore)
+    out = time_step(g.replay, restore, reps, warmup=2)
+    if profile:
+        out["profile"] = profile_replays(g.replay, restore)
+    del g
+    return out
+
+
+def capture(step, restore):
+    """The step captured once as a CUDA graph (after an eager warm-up on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -193,11 +206,36 @@ def time_graph(step, restore, reps: int, profile: bool = False) -> dict:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    out = time_step(g.replay, restore, reps, warmup=2)
-    if profile:
-        out["profile"] = profile_replays(g.replay, restore)
-    del g
-    return out
+    return g
+
+
+# Same-run A/B of the fast step's graph (--ab NAME): NAME's change applied to a second Round.
+AB_VARIANTS = {
+    # the round's uniforms from rng.uniform's torch sequence (~50 launches per call) instead of the
+    # one-launch kernel (FastModel.uniform)
+    "torch_uniforms": lambda rnd: setattr(rnd, "_uniform", rng.uniform),
+}
+
+
+def time_graph_ab(step_a, step_b, restore, reps: int) -> dict:
+    """Graphs of two steps replayed in alternation (restored before each replay, the order swapped
+    every pair): median ms of each and the median and 10-90 % range of the per-pair ratio b / a."""
+    ga, gb = capture(step_a, restore), capture(step_b, restore)
+    ta, tb = [], []
+    for i in range(reps + 2):
+        pair = {}
+        for name, g in (("a", ga), ("b", gb)) if i % 2 == 0 else (("b", gb), ("a", ga)):
+            restore()
+            sync()
+            pair[name] = time_call(g.replay)
+        if i >= 2:
+            ta.append(pair["a"])
+            tb.append(pair["b"])
+    ratios = sorted(b / a for a, b in zip(ta, tb))
+    del ga, gb
+    return {"a_ms": statistics.median(ta) * 1e3, "b_ms": statistics.median(tb) * 1e3,
+            "ratio": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
+            "ratio_p90": ratios[(9 * len(ratios)) // 10], "reps": reps}
 
 
 # ------------------------------------------------------------------------------- state and caches
@@ -453,6 +491,14 @@ def bench_q1(args, copy_bw):
                 except Exception as e:  # reported, not fatal: the eager numbers stand
                     log(f"q1 ctx={L} fast (CUDA graph) FAILED: {type(e).__name__}: {e}")
                     res["fast-graph"] = {"error": f"{type(e).__name__}: {e}"}
+                for name in args.ab:
+                    r_b = Round(fast, cache, sampling, draft)
+                    AB_VARIANTS[name](r_b)
+                    ab = time_graph_ab(step_fn(r_fast, st), step_fn(r_b, st), restore, args.reps_fast)
+                    log(f"q1 ctx={L} A/B fast graph: default {ab['a_ms']:.3f} ms, {name} {ab['b_ms']:.3f} ms, "
+                        f"ratio {ab['ratio']:.4f} [{ab['ratio_p10']:.4f}, {ab['ratio_p90']:.4f}]")
+                    ROWS.append(dict(model=f"{cfg.name} rank0/{shard.tp_size}", context=L,
+                                     arm=f"fast-graph A/B {name}", **ab))
             res["reference"] = time_step(step_fn(r_ref, st), restore, args.reps_ref, min(1, args.warmup))
             log(f"q1 ctx={L} reference: {res['reference']['ms']:.2f} ms/step")
         d6 = min(DISTINCT_6ROWS, cfg.num_experts)
@@ -485,6 +531,9 @@ def table(copy_bw) -> str:
             fl = r.get("floor_ms")
             lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} {r['ms']:>9.3f} {r['host_ms']:>8.3f} "
                          + (f"{fl:>9.3f} {fl / r['ms']:>8.3f}" if fl else f"{'':>9} {'':>8}"))
+        elif "a_ms" in r:
+            lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} default {r['a_ms']:.3f} ms, variant "
+                         f"{r['b_ms']:.3f} ms: ratio {r['ratio']:.4f} [{r['ratio_p10']:.4f}, {r['ratio_p90']:.4f}]")
         elif "ratio" in r:
             lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} ratio {r['ratio']:.3f}")
         elif "error" in r:
@@ -511,10 +560,16 @@ def main() -> int:
     ap.add_argument("--no-mini", action="store_true")
     ap.add_argument("--no-q1", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip further q1 contexts past this")
+    ap.add_argument("--ab", type=lambda v: [x for x in v.split(",") if x], default=[],
+                    help=f"same-run A/B of the fast graph against variants, alternating replays: "
+                         f"{', '.join(AB_VARIANTS)}")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the fast step's CUDA graph per kernel (torch.profiler): device time "
                          "per part of the step (attention, MoE, GEMMs, norms, torch glue), top kernels")
     args = ap.parse_args()
+    unknown = [n for n in args.ab if n not in AB_VARIANTS]
+    if unknown:
+        ap.error(f"--ab: unknown variants {unknown}; known: {', '.join(AB_VARIANTS)}")
     args.reps_fast = args.reps_fast or (1 if DRY_RUN else 20)
     args.reps_ref = args.reps_ref or (1 if DRY_RUN else 5)
     args.warmup = (0 if DRY_RUN else 3) if args.warmup is None else args.warmup

@@ -28,7 +28,9 @@ consecutive by construction of the round), so no pass reads anything on the host
 
 Sampling: :meth:`FastModel.sample_rows` is the hook :class:`~runtime.speculative.Round` uses for the
 served distribution and the draw: ``sample_topk_topp`` on the rank's logits, with the counter-based
-uniforms as input. Under rank emulation it runs on the local vocabulary slice and the candidate
+uniforms as input; :meth:`FastModel.uniform` is the hook for those uniforms (``uniform``: one launch
+per call, the same bits as ``rng.uniform``'s ~50 torch launches). Under rank emulation the sampler
+runs on the local vocabulary slice and the candidate
 exchange is an excluded no-op (exactly what the reference's ``filter_dist`` does under emulation);
 under real tensor parallelism (peers exist) it falls back to the reference filter, which exchanges
 candidates.
@@ -54,6 +56,7 @@ import os
 
 import torch
 
+from . import rng
 from .config import ConfigError, KernelsConfig, ModelConfig, SamplingConfig, Shard
 from .kernels import attention as _attn
 from .kernels import moe as _moe
@@ -61,6 +64,7 @@ from .kernels import norm as _norm
 from .kernels import rope as _rope
 from .kernels import router as _router
 from .kernels import sampler as _sampler
+from .kernels import uniform as _uniform
 from .model import KVCache, LayerWeights, Model, ModelCache, attend_chunked, visible_keys, write_decode
 from .sampling import draw, filter_dist
 
@@ -131,7 +135,7 @@ def kernels_runnable(device: torch.device) -> str | None:
     if not isinstance(std.cdiv, interpreter.InterpretedFunction):
         return ("TRITON_INTERPRET=1 is set but triton was imported before it: its library functions "
                 "are compiled ones (set the variable before anything imports triton)")
-    mods = (_attn, _moe, _norm, _rope, _router, _sampler)
+    mods = (_attn, _moe, _norm, _rope, _router, _sampler, _uniform)
     if any(not isinstance(f, interpreter.InterpretedFunction) for m in mods for f in _jitted(m)):
         return ("TRITON_INTERPRET=1 is set but runtime.kernels were imported before it: their "
                 "kernels are compiled ones, which cannot run on the CPU (re-import them after "
@@ -358,7 +362,13 @@ class FastModel(Model):
         h = self._norm(hidden, self.final_norm if norm is None else norm)
         return (h @ self.lm_head.T).float()
 
-    # ---- sampling hook (used by Round) --------------------------------------------------------------
+    # ---- sampling hooks (used by Round) -------------------------------------------------------------
+    def uniform(self, seed, positions: torch.Tensor, purpose: int, lane: int = 0) -> torch.Tensor:
+        """``rng.uniform``'s numbers (the same bits): one kernel launch with ``kernels.sampler=fast``."""
+        if self.kernels.sampler == "reference":
+            return rng.uniform(seed, positions, purpose, lane)
+        return _uniform.uniform(seed, positions, purpose, lane)
+
     def sample_rows(self, logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfig):
         """(ids [T, k] int64 global token ids, probs [T, k] fp32, token [T] int64, index [T] int64) of
         the served distribution of each row and its draw with the uniforms u [T] (u None: the draw is

@@ -98,6 +98,9 @@ class Round:
         # Sampler hook: a backend whose model has ``sample_rows(logits, u, sampling) -> (ids, probs,
         # token, index)`` (the fast backend's fused kernel) replaces filter_dist + draw below.
         self._sample_rows = getattr(model, "sample_rows", None)
+        # Uniforms hook: ``uniform(seed, positions, purpose)`` with rng.uniform's bits (the fast
+        # backend's one-launch kernel); rng.uniform otherwise.
+        self._uniform = getattr(model, "uniform", None) or rng.uniform
 
     def _filter(self, logits):
         if self._sample_rows is not None:
@@ -123,9 +126,9 @@ class Round:
         p_ids, p_probs = self._filter(self.model.logits(h))
         drafts = rows[1:]
         n, nxt = verify_drafts(p_ids, p_probs, st.q_ids[1:w], st.q_probs[1:w], drafts,
-                               rng.uniform(st.seed, pos[1:], rng.ACCEPT),
-                               rng.uniform(st.seed, pos[1:], rng.RESIDUAL),
-                               rng.uniform(st.seed, P + w, rng.TARGET))
+                               self._uniform(st.seed, pos[1:], rng.ACCEPT),
+                               self._uniform(st.seed, pos[1:], rng.RESIDUAL),
+                               self._uniform(st.seed, P + w, rng.TARGET))
         em = torch.cat([drafts, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))   # [w]
         count = self._emit(st, em, n)
         row = torch.zeros(LOG_COLS, dtype=torch.int64, device=dev)
@@ -162,7 +165,7 @@ class Round:
     def _take_draft(self, st: DecodeState, g: torch.Tensor, k: int) -> None:
         """Draft depth k from draft hidden g [1, H]: its proposal, the drawn token, the policy."""
         q_ids, q_probs, d, idx = self._filter_draw(self.model.mtp_logits(g),
-                                                   rng.uniform(st.seed, (st.start + k).view(1), rng.DRAFT))
+                                                   self._uniform(st.seed, (st.start + k).view(1), rng.DRAFT))
         st.tokens[k].copy_(d[0])
         st.q_ids[k].copy_(q_ids[0])
         st.q_probs[k].copy_(q_probs[0])

@@ -195,6 +195,45 @@ def test_interpreted_step_is_sync_free(interp):
 
 
 @cpu_only
+def test_interpreted_round_uniforms_come_from_the_kernel(interp):
+    """The round takes its uniforms from FastModel.uniform: with kernels.sampler=fast one uniform
+    kernel launch per call with rng.uniform's bits; with sampler=reference rng.uniform itself (no
+    launch). A request's start and one step (verify, two drafts) with the kernel's uniforms match,
+    token for token and probability for probability, the same run with rng.uniform patched in for
+    the kernel (whose spy then counts no launch: the negative control of the count)."""
+    import runtime.fast as fastmod
+    from runtime import rng
+
+    cfg = tiny2()
+    tensors = dict(random_tensors(cfg, seed=0))
+    states = {}
+    real = fastmod._uniform.uniform
+    for arm in ("kernel", "torch", "reference"):
+        sel = "reference" if arm == "reference" else "fast"
+        eng = Engine(cfg, runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16",
+                                                    "kernels": {"sampler": sel}}), tensors)
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:
+            if arm == "torch":
+                mp.setattr(fastmod._uniform, "uniform", lambda seed, pos, purpose, lane=0:
+                           rng.uniform(seed, pos, purpose, lane))
+            else:
+                mp.setattr(fastmod._uniform, "uniform", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+            st, w = sync_free_step(eng)
+            seed, pos = st.seed, torch.tensor([5, 2**33 + 1])
+            assert torch.equal(eng.model.uniform(seed, pos, rng.ACCEPT), rng.uniform(seed, pos, rng.ACCEPT))
+        if arm == "kernel":   # the start's drafts, one verify (3 purposes), two drafts, the call above
+            assert [calls.count(p) for p in (rng.ACCEPT, rng.RESIDUAL, rng.TARGET)] == [2, 1, 1], calls
+            assert calls.count(rng.DRAFT) >= 2 and len(calls) == 4 + calls.count(rng.DRAFT), calls
+        else:
+            assert calls == [], (arm, calls)
+        states[arm] = st
+    a, b = states["kernel"], states["torch"]
+    for name in ("tokens", "q_ids", "q_probs", "out", "n_out", "accepted", "log"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@cpu_only
 @pytest.mark.slow
 def test_interpreted_rank_emulation_q1_shapes(interp):
     """tp.size=8 tp.emulate_rank=0 on a q1 variant (small hidden size and depth): one rank's shapes

@@ -79,7 +79,7 @@ def _compile_only(name, sink):
     return mod
 
 
-def _launch_everything(A, M, Nm, S, R, RT):
+def _launch_everything(A, M, Nm, S, R, RT, U):
     bf = torch.bfloat16
     for d, window, E, H, I in ((128, 4096, 128, 6144, 256), (64, 512, 32, 256, 128)):
         for w in (4, 8):
@@ -142,6 +142,9 @@ def _launch_everything(A, M, Nm, S, R, RT):
     for T, E, H in ((6, 128, 6144), (16, 32, 256)):                  # the router (q1, mini)
         for bug in (False, True):
             RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _order_bug=bug)
+    for seed in (torch.tensor(3), 5):                                # the round's uniforms
+        U.uniform(seed, torch.arange(7), 2)
+    U.uniform(3, torch.arange(7), 2, _bug=True)
     for V in (20000, 4096):
         for bitonic in (True, False):
             S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, bitonic=bitonic)
@@ -156,7 +159,7 @@ def main():
 
     sink = []
     drv.set_active(_Sm90Driver())
-    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope", "router")]
+    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope", "router", "uniform")]
     for m in mods[:2]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
         m.pdl_supported = lambda device: True
     mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches
