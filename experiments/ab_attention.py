@@ -9,7 +9,8 @@ rotates from round to round, so slow drifts of the machine (clocks, temperature,
 all configs alike. Per shape and config it prints the median time per call, the fraction of the
 device-to-device copy bandwidth (KV + q/out bytes, as bench_kernels.py), and against the first config
 the median of the per-round ratios with their 10-90 % range: a difference is only worth acting on
-when that range excludes 1. $OUT/ab_attention.json/.csv hold every round's times.
+when that range excludes 1. The floor probes ``copy``, ``read`` and ``read2`` (see ``probe_calls``)
+move the same KV bytes without computing attention: what one call reading them costs here. $OUT/ab_attention.json/.csv hold every round's times.
 """
 from __future__ import annotations
 
@@ -22,9 +23,52 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench import DRY_RUN, capture_graph, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from bench_kernels import attention_sets, n_sets  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
+
+
+@triton.jit
+def _stream_read_kernel(K, V, OUT, n_keys, per_split, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Floor probe: program p reads K and V rows of key blocks [p * per_split, (p + 1) * per_split)
+    (the split kernel's ranges and tiles, through the same software pipeline) and writes one sum:
+    the attention split without Q, without the softmax, without partials and without a combine."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+    b0 = pid * per_split
+    b1 = tl.minimum(b0 + per_split, n_blocks)
+    offs = tl.arange(0, BLOCK_N)[:, None] * D + tl.arange(0, D)[None, :]
+    acc = tl.zeros([BLOCK_N, D], tl.float32)
+    for b in range(b0, b1):
+        acc += tl.load(K + b * BLOCK_N * D + offs).to(tl.float32)
+        acc += tl.load(V + b * BLOCK_N * D + offs).to(tl.float32)
+    tl.store(OUT + pid, tl.sum(acc))
+
+
+def probe_calls(name, data, n_keys, d):
+    """Calls of a floor probe over the same rotating sets: ``copy`` (torch copies the valid K rows
+    into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
+    with one / two programs per SM)."""
+    calls = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+    for q, k, v, s, sp, o in data:
+        if name == "copy":
+            dst = torch.empty_like(k[:, :n_keys])
+            calls.append(lambda dst=dst, k=k: dst.copy_(k[:, :n_keys]))
+        else:
+            grid = sms * (2 if name == "read2" else 1)
+            per = triton.cdiv(triton.cdiv(n_keys, A.BLOCK_N), grid)
+            out = torch.empty(grid, device=k.device)
+            calls.append(lambda k=k, v=v, out=out, grid=grid, per=per: _stream_read_kernel[(grid,)](
+                k, v, out, n_keys, per, BLOCK_N=A.BLOCK_N, D=d, num_warps=A.NUM_WARPS,
+                num_stages=A.NUM_STAGES))
+    return calls
+
+
+# Floor probes (not attention): what reading these bytes costs in one call, timed the same way.
+PROBES = ("copy", "read", "read2")
 
 CONFIGS = {
     "default": {},
@@ -49,6 +93,7 @@ CONFIGS = {
     "trigger_pf8": dict(_combine_trigger=True, prefetch=8),
     # the split launched plainly: no overlap with the previous call (its latency, not its throughput)
     "iso": dict(_split_pdl=False),
+    **{p: None for p in PROBES},
 }
 
 
@@ -76,9 +121,11 @@ def main():
             sets = n_sets(2 * nkv * cap * d * 2, l2) if not DRY_RUN else 2
             data = attention_sets(sets, w, nh, nkv, d, cap, c_ - w, c_)
             nbytes = 2 * nkv * c_ * d * 2 + 2 * w * nh * d * 2 + nh * 4 + 4
-            calls = {n: [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, kw=CONFIGS[n]: A._launch(
-                q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw)) for q, k, v, s, sp, o in data]
-                for n in names}
+            calls = {n: probe_calls(n, data, c_, d) if n in PROBES else
+                     [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, kw=CONFIGS[n]: A._launch(
+                         q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw))
+                      for q, k, v, s, sp, o in data]
+                     for n in names}
             shape = f"full{c_ // 1024}K_w{w}"
             if DRY_RUN:
                 for n in names:

@@ -13,7 +13,10 @@ For every kernel and shape it prints and records:
   valid KV extent; MoE: only the distinct experts' weights and scales);
 * frac: bytes / time as a fraction of the device-to-device copy bandwidth measured in the same run
   (torch copy of a 2 GiB buffer, bytes read + written);
-* the same for the eager torch reference at the same shapes (ref_us, ref_frac).
+* the same for the eager torch reference at the same shapes (ref_us, ref_frac);
+* attention: copy_same_us, a torch copy of the same KV bytes (read + write) in one call, timed the
+  same way (the floor of moving these bytes in one launch, with its fixed latency), and
+  of_copy_same = copy_same_us / graph_us.
 Full results go to $OUT/bench_kernels.json and .csv when OUT is set; a short table comes last.
 
 ``--dry-run`` runs the whole script on the CPU at toy shapes through the Triton interpreter, with
@@ -43,6 +46,8 @@ from runtime.kernels import rope as R  # noqa: E402
 from runtime.kernels import router as RT  # noqa: E402
 from runtime.fast import FastModel  # noqa: E402
 from runtime.kernels import sampler as S  # noqa: E402
+from runtime.kernels import uniform as U  # noqa: E402
+from runtime import rng  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -193,6 +198,12 @@ def bench_attention(copy_bw, l2, sweep):
                     ring=mode == "ring", dtype=torch.float32))
                 for q, k, v, s, _, _ in data[:2]]
             shape = (f"full{_k(ctx)}_w{w}" if mode == "full" else f"ring{_k(window)}_w{w}")
+            # What moving these bytes costs in one call, timed the same way: torch copies the valid
+            # K rows of every set into a scratch buffer (read + write = the KV bytes).
+            scratch = [torch.empty_like(k[:, :n_keys]) for _, k, _, _, _, _ in data]
+            copy_us = graph_time([(lambda o=o, k=k: o.copy_(k[:, :n_keys]))
+                                  for o, (_, k, _, _, _, _) in zip(scratch, data)])[0] * 1e6
+            del scratch
             for name, cfg in configs:
                 long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
                 if name in long_only:
@@ -204,9 +215,10 @@ def bench_attention(copy_bw, l2, sweep):
                     q, k, v, sp, s, o, ring=mode == "ring", window=window if mode == "ring" else 0,
                     **{"num_splits": None, **cfg}))
                     for q, k, v, s, sp, o in data]
-                record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
-                       ref_calls=ref_calls if name == "default" else None,
-                       eager=name == "default", w=w, keys=n_keys)
+                row = record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
+                             ref_calls=ref_calls if name == "default" else None,
+                             eager=name == "default", w=w, keys=n_keys, copy_same_us=copy_us)
+                row["of_copy_same"] = copy_us / row["graph_us"]
             del data, ref_calls
             if not DRY_RUN:
                 torch.cuda.empty_cache()
@@ -419,6 +431,21 @@ def bench_router(copy_bw, l2, sweep):
         del data, r32
 
 
+# ---------------------------------------------------------------------------------- uniforms
+def bench_uniform(copy_bw, l2, sweep):
+    """The round's counter-based uniforms: one kernel launch (``uniform``) against ``rng.uniform``'s
+    torch sequence (~50 launches) captured in a graph, for the verify's 1-7 positions and a draft's
+    one. Bytes: the positions read and the floats written (latency, not bandwidth, is the cost)."""
+    seed = torch.tensor(1234, dtype=torch.int64, device=DEV)
+    for n in (1, 7):
+        pos = [torch.arange(n, dtype=torch.int64, device=DEV) + 1000 * i for i in range(8)]
+        outs = [torch.empty(n, device=DEV) for _ in pos]
+        calls = [(lambda p=p, o=o: U.uniform(seed, p, rng.ACCEPT, out=o)) for p, o in zip(pos, outs)]
+        torch_calls = [(lambda p=p: rng.uniform(seed, p, rng.ACCEPT)) for p in pos]
+        record("uniform", f"n{n}", "default", calls, n * 12 + 8, copy_bw, ref_calls=torch_calls[:4])
+        record("uniform", f"n{n}", "torch_in_graph", torch_calls, n * 12 + 8, copy_bw, eager=False)
+
+
 # ---------------------------------------------------------------------------------- sampler
 def bench_sampler(copy_bw, l2, sweep):
     w = SAMPLER["w"]
@@ -449,7 +476,7 @@ def bench_sampler(copy_bw, l2, sweep):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants")
-    ap.add_argument("--only", default="attention,moe,norm,rope,router,sampler")
+    ap.add_argument("--only", default="attention,moe,norm,rope,router,sampler,uniform")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy shapes (script check)")
     args = ap.parse_args()
     sweep = not args.no_sweep
@@ -466,7 +493,7 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (2 GiB copy, read+write, {copy_t * 1e3:.3f} ms)",
           flush=True)
     benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope,
-                   router=bench_router, sampler=bench_sampler)
+                   router=bench_router, sampler=bench_sampler, uniform=bench_uniform)
     t0 = time.time()
     for name in args.only.split(","):
         t = time.time()
@@ -491,6 +518,10 @@ def main():
             continue
         if r["kernel"] == "attention" and r.get("keys", 0) >= 65536:
             goals.append((f"attention {r['shape']} >= 0.70", r["frac"] >= 0.70))
+            print(f"attention {r['shape']}: {r['graph_us']:.2f} us = {r['frac']:.3f} of copy bandwidth; "
+                  f"a torch copy of the same bytes in one call takes {r['copy_same_us']:.2f} us "
+                  f"(= {r['bytes'] / (r['copy_same_us'] * 1e-6) / copy_bw:.3f}), so this call takes "
+                  f"{r['graph_us'] / r['copy_same_us']:.2f}x the copy's time")
         if r["kernel"] == "moe" and "realistic" in r["shape"]:
             goals.append((f"moe {r['shape']} >= 0.65", r["frac"] >= 0.65))
         if "ref_us" in r:
