@@ -41,6 +41,7 @@ import triton  # noqa: E402
 
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
+from runtime.kernels import linear as LN  # noqa: E402
 from runtime.kernels import norm as N  # noqa: E402
 from runtime.kernels import rope as R  # noqa: E402
 from runtime.kernels import router as RT  # noqa: E402
@@ -431,6 +432,49 @@ def bench_router(copy_bw, l2, sweep):
         del data, r32
 
 
+# ----------------------------------------------------------------------------------- linear
+def bench_linear(copy_bw, l2, sweep):
+    """The decode projections (q1 rank: fused Q/K/V 6144 -> 1024, output 768 -> 6144, w = 6):
+    skinny_linear against torch matmul (cuBLAS) captured in a graph, alone (nothing to overlap: the
+    PDL prefetch cannot help) and behind the fused add + RMSNorm that precedes them in the step
+    ("after_norm": the pair's time; the norm releases the projection at its start, which then streams
+    its weight into L2 while the norm runs). Bytes: the weight, x and y."""
+    H = MOE["H"]
+    w = 6
+    for K, n_out, name in ((H, 1024 if not DRY_RUN else 512, "qkv"), (768 if not DRY_RUN else 256, H, "o_proj")):
+        sets = n_sets(n_out * K * 2, l2, cap=64)
+        data = [(torch.randn(w, K, device=DEV).to(torch.bfloat16),
+                 (torch.randn(n_out, K, device=DEV) / math.sqrt(K)).to(torch.bfloat16),
+                 torch.empty(w, n_out, device=DEV, dtype=torch.bfloat16)) for _ in range(sets)]
+        cnt = torch.zeros(n_out // 16, dtype=torch.int32, device=DEV)
+        nbytes = n_out * K * 2 + w * K * 2 + w * n_out * 2
+        shape = f"{name}_{K}x{n_out}_w{w}"
+        variants = [("default", {}), ("no_pdl", dict(pdl=False))]
+        if sweep:
+            variants += [(f"bn{bn}_sk{sk}", dict(block_n=bn, split_k=sk))
+                         for bn, sk in ((16, 2), (32, 2), (32, 4), (64, 4), (64, 1), (128, 1), (32, 1))
+                         if n_out % bn == 0 and K % (sk * 128) == 0]
+        for vname, kw in variants:
+            calls = [(lambda x=x, wt=wt, o=o, kw=kw: LN.skinny_linear(x, wt, o, counter=cnt, **kw))
+                     for x, wt, o in data]
+            record("linear", shape, vname, calls, nbytes, copy_bw, eager=vname == "default",
+                   ref_calls=[(lambda x=x, wt=wt: x @ wt.T) for x, wt, _ in data[:4]] if vname == "default" else None)
+        record("linear", shape, "cublas_in_graph", [(lambda x=x, wt=wt, o=o: torch.matmul(x, wt.T, out=o))
+                                                    for x, wt, o in data], nbytes, copy_bw, eager=False)
+        # behind the norm that precedes the projection in the step (the pair's time per call)
+        res = [torch.zeros(w, K, device=DEV, dtype=torch.bfloat16) for _ in data]
+        ln = torch.ones(K, device=DEV, dtype=torch.bfloat16)
+        hs = [torch.empty(w, K, device=DEV, dtype=torch.bfloat16) for _ in data]
+        for vname, proj in (("after_norm", lambda h, wt, o: LN.skinny_linear(h, wt, o, counter=cnt)),
+                            ("after_norm_no_pdl", lambda h, wt, o: LN.skinny_linear(h, wt, o, counter=cnt, pdl=False)),
+                            ("cublas_after_norm", lambda h, wt, o: torch.matmul(h, wt.T, out=o))):
+            calls = [(lambda x=x, wt=wt, o=o, r=r, h=h, proj=proj: (
+                N.fused_add_rmsnorm(x, r, ln, 1e-6, out=h), proj(h, wt, o)))
+                for (x, wt, o), r, h in zip(data, res, hs)]
+            record("linear", shape, vname, calls, nbytes, copy_bw, eager=False)
+        del data, res, hs
+
+
 # ---------------------------------------------------------------------------------- uniforms
 def bench_uniform(copy_bw, l2, sweep):
     """The round's counter-based uniforms: one kernel launch (``uniform``) against ``rng.uniform``'s
@@ -476,7 +520,7 @@ def bench_sampler(copy_bw, l2, sweep):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants")
-    ap.add_argument("--only", default="attention,moe,norm,rope,router,sampler,uniform")
+    ap.add_argument("--only", default="attention,moe,norm,rope,router,sampler,uniform,linear")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy shapes (script check)")
     args = ap.parse_args()
     sweep = not args.no_sweep
@@ -493,7 +537,7 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (2 GiB copy, read+write, {copy_t * 1e3:.3f} ms)",
           flush=True)
     benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope,
-                   router=bench_router, sampler=bench_sampler, uniform=bench_uniform)
+                   router=bench_router, sampler=bench_sampler, uniform=bench_uniform, linear=bench_linear)
     t0 = time.time()
     for name in args.only.split(","):
         t = time.time()

@@ -41,6 +41,7 @@ GPU time is spent on it.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import platform
@@ -100,7 +101,8 @@ def time_step(step, restore, reps: int, warmup: int) -> dict:
 KERNEL_PARTS = (
     ("attention split", ("_attn_split",)), ("attention combine", ("_attn_combine",)),
     ("attention (fused)", ("_attn_fused",)), ("rope + kv write", ("_rope_kv",)),
-    ("router", ("_router",)), ("moe gate/up", ("_moe_gate_up",)), ("moe down", ("_moe_down",)),
+    ("router", ("_router",)), ("projections (skinny_linear)", ("_linear_kernel",)),
+    ("moe gate/up", ("_moe_gate_up",)), ("moe down", ("_moe_down",)),
     ("moe reduce", ("_moe_reduce",)), ("add + rmsnorm", ("_add_rmsnorm", "rmsnorm")),
     ("sampler", ("_sample", "_topk_", "_topp")), ("uniforms", ("_uniform_kernel",)),
     ("dense GEMM (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
@@ -209,11 +211,34 @@ def capture(step, restore):
     return g
 
 
+def _model_variant(rnd: Round, **attrs) -> None:
+    """rnd runs a shallow copy of its model with ``attrs`` set on the copy (same weights, caches)."""
+    m = copy.copy(rnd.model)
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    rnd.model = m
+
+
+def _skinny(**kw):
+    from runtime.kernels import linear as _lin
+    return lambda m: (lambda x, w: _lin.skinny_linear(x, w, counter=m._linear_counter, **kw))
+
+
 # Same-run A/B of the fast step's graph (--ab NAME): NAME's change applied to a second Round.
 AB_VARIANTS = {
     # the round's uniforms from rng.uniform's torch sequence (~50 launches per call) instead of the
     # one-launch kernel (FastModel.uniform)
     "torch_uniforms": lambda rnd: setattr(rnd, "_uniform", rng.uniform),
+    # the Q/K/V and output projections on torch matmul (cuBLAS) instead of skinny_linear
+    "cublas_linear": lambda rnd: setattr(rnd, "model", FastModel.from_model(
+        rnd.model, kernels=dataclasses.replace(rnd.model.kernels, linear="reference"))),
+    # skinny_linear launched plainly (no early launch, no weight prefetch)
+    "linear_no_pdl": lambda rnd: _model_variant(rnd, _proj=_skinny(pdl=False)(rnd.model)),
+    # skinny_linear launched early but without the weight prefetch before its wait
+    "linear_no_prefetch": lambda rnd: _model_variant(rnd, _proj=_skinny(prefetch=False)(rnd.model)),
+    # the attention combine does not release the output projection at its start
+    "no_release": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
+                                                                   "release_next": False}),
 }
 
 
@@ -232,10 +257,14 @@ def time_graph_ab(step_a, step_b, restore, reps: int) -> dict:
             ta.append(pair["a"])
             tb.append(pair["b"])
     ratios = sorted(b / a for a, b in zip(ta, tb))
+    # the same graphs in blocks (every replay of one, then of the other), as time_graph times one
+    blk_a = time_step(ga.replay, restore, reps, warmup=2)["ms"]
+    blk_b = time_step(gb.replay, restore, reps, warmup=2)["ms"]
     del ga, gb
     return {"a_ms": statistics.median(ta) * 1e3, "b_ms": statistics.median(tb) * 1e3,
             "ratio": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
-            "ratio_p90": ratios[(9 * len(ratios)) // 10], "reps": reps}
+            "ratio_p90": ratios[(9 * len(ratios)) // 10], "reps": reps,
+            "a_block_ms": blk_a, "b_block_ms": blk_b}
 
 
 # ------------------------------------------------------------------------------- state and caches
@@ -496,7 +525,8 @@ def bench_q1(args, copy_bw):
                     AB_VARIANTS[name](r_b)
                     ab = time_graph_ab(step_fn(r_fast, st), step_fn(r_b, st), restore, args.reps_fast)
                     log(f"q1 ctx={L} A/B fast graph: default {ab['a_ms']:.3f} ms, {name} {ab['b_ms']:.3f} ms, "
-                        f"ratio {ab['ratio']:.4f} [{ab['ratio_p10']:.4f}, {ab['ratio_p90']:.4f}]")
+                        f"ratio {ab['ratio']:.4f} [{ab['ratio_p10']:.4f}, {ab['ratio_p90']:.4f}] (in blocks: "
+                        f"{ab['a_block_ms']:.3f} / {ab['b_block_ms']:.3f} ms)")
                     ROWS.append(dict(model=f"{cfg.name} rank0/{shard.tp_size}", context=L,
                                      arm=f"fast-graph A/B {name}", **ab))
             res["reference"] = time_step(step_fn(r_ref, st), restore, args.reps_ref, min(1, args.warmup))

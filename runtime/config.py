@@ -169,7 +169,7 @@ class DebugConfig:
     step_delay_timed: bool = True
 
 
-KERNEL_PIECES = ("attention", "moe", "norm", "sampler")
+KERNEL_PIECES = ("attention", "moe", "norm", "sampler", "linear")
 KERNEL_CHOICES = ("fast", "reference")
 
 
@@ -196,6 +196,7 @@ class KernelsConfig:
     moe: str = "fast"
     norm: str = "fast"
     sampler: str = "fast"
+    linear: str = "fast"       # the decode passes' Q/K/V and output projections
     attention_options: dict = field(default_factory=dict)
     moe_options: dict = field(default_factory=dict)
 

@@ -8,12 +8,15 @@ recorded dtype stays true, and snapshots of the BF16 reference restore into it u
 
 Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the normalised input):
 
-    qkv  = h @ [Wq; Wk; Wv]^T                  one GEMM (Wq/Wk/Wv are views of the fused weight)
+    qkv  = h @ [Wq; Wk; Wv]^T                  one GEMM (Wq/Wk/Wv are views of the fused weight):
+                                               skinny_linear, launched while the norm before it
+                                               runs (kernels.linear)
     q, k = RoPE(q, k); cache[slots] <- k, v    rope_kv_write: one kernel (angles in float64 on the
                                                host side of the pass, as the reference; ring: slot
                                                p % R, labels too)
     o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
-    h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16)
+    h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16); Wo: skinny_linear
+                                               too, released by the attention's combine at its start
     ids, weights = route_topk(h, router, 8)    FP32 router logits from the BF16 input, top 8,
                                                softmax: one kernel (the reference: 3-5 torch launches)
     m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
@@ -36,11 +39,12 @@ under real tensor parallelism (peers exist) it falls back to the reference filte
 candidates.
 
 Per-piece selection (``runtime.kernels``, :class:`~runtime.config.KernelsConfig`, for A/B runs):
-each of ``attention``, ``moe``, ``norm`` and ``sampler`` is ``fast`` (its kernel, above) or
+each of ``attention``, ``moe``, ``norm``, ``sampler`` and ``linear`` is ``fast`` (its kernel, above) or
 ``reference`` (eager torch, still without host reads): attention = the reference's
 ``write_decode`` + ``attend_chunked`` after the same Q/K/V GEMM and RoPE; moe = ``Model.moe``
 (with its all-reduce under TP); norm = :func:`add_rmsnorm_torch` (the kernel's contract on the
-tests' oracle ``add_rmsnorm_reference``); sampler = ``filter_dist`` + ``draw`` on the rank's slice.
+tests' oracle ``add_rmsnorm_reference``); sampler = ``filter_dist`` + ``draw`` on the rank's slice;
+linear = torch matmul (cuBLAS) for the Q/K/V and output projections.
 ``attention_options`` / ``moe_options`` are keywords for ``decode_attention_full/_ring`` /
 ``fused_moe_fp8``, checked against the kernels' signatures at construction.
 
@@ -59,6 +63,7 @@ import torch
 from . import rng
 from .config import ConfigError, KernelsConfig, ModelConfig, SamplingConfig, Shard
 from .kernels import attention as _attn
+from .kernels import linear as _linear
 from .kernels import moe as _moe
 from .kernels import norm as _norm
 from .kernels import rope as _rope
@@ -135,7 +140,7 @@ def kernels_runnable(device: torch.device) -> str | None:
     if not isinstance(std.cdiv, interpreter.InterpretedFunction):
         return ("TRITON_INTERPRET=1 is set but triton was imported before it: its library functions "
                 "are compiled ones (set the variable before anything imports triton)")
-    mods = (_attn, _moe, _norm, _rope, _router, _sampler, _uniform)
+    mods = (_attn, _linear, _moe, _norm, _rope, _router, _sampler, _uniform)
     if any(not isinstance(f, interpreter.InterpretedFunction) for m in mods for f in _jitted(m)):
         return ("TRITON_INTERPRET=1 is set but runtime.kernels were imported before it: their "
                 "kernels are compiled ones, which cannot run on the CPU (re-import them after "
@@ -212,6 +217,14 @@ class FastModel(Model):
                 lw.wq, lw.wk, lw.wv = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
             self._qkv[id(lw)] = qkv
         self._u0 = torch.zeros(MAX_DECODE_ROWS, dtype=torch.float32, device=dev)
+        # skinny_linear's arrival counters (zero, left zero by every call; calls are stream-ordered)
+        n_max = max([nq + 2 * nk] + [lw.wo.shape[0] for lw in self.layers + [m.layer for m in self.mtp]])
+        if kernels.linear == "fast":
+            why = (_linear.unsupported(nq + 2 * nk, cfg.hidden_size)
+                   or _linear.unsupported(cfg.hidden_size, nq))
+            if why:
+                raise ConfigError(f"kernels.linear=fast: {why}; set kernels.linear=reference")
+        self._linear_counter = torch.zeros(n_max // 16, dtype=torch.int32, device=dev)
 
     # ---- caches -------------------------------------------------------------------------------------
     def new_cache(self, capacity: int, dtype=None) -> ModelCache:
@@ -268,11 +281,17 @@ class FastModel(Model):
         return ids, torch.softmax(top, dim=-1)
 
     # ---- decode-mode pieces on the kernels ----------------------------------------------------------
+    def _proj(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T (BF16): skinny_linear with kernels.linear=fast, torch matmul otherwise."""
+        if self.kernels.linear == "reference":
+            return x @ w.T
+        return _linear.skinny_linear(x, w, counter=self._linear_counter)
+
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
                         cache: KVCache, tab) -> torch.Tensor:
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
-        qkv = h @ self._qkv[id(lw)].T
+        qkv = self._proj(h, self._qkv[id(lw)])
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
             qk = self._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), tab["cos"], tab["sin"])
             q, k = qk[:, :nh], qk[:, nh:]
@@ -280,23 +299,24 @@ class FastModel(Model):
             kt, vt = k.transpose(0, 1), v.transpose(0, 1)
             keys, vals, kpos = write_decode(cache, positions, kt, vt)
             o = attend_chunked(q, keys, vals, lambda a, b: visible_keys(cache, kpos, positions[a:b]), lw.sinks)
-            out = o.reshape(T, nh * d) @ lw.wo.T
+            out = self._proj(o.reshape(T, nh * d).to(_BF16).contiguous(), lw.wo)
             return self.comm.all_reduce(out) if sh.tp_size > 1 else out
         o = torch.empty(T, nh, d, dtype=_BF16, device=h.device)
         sinks = None if self.broken == "drop_sinks" else lw.sinks
+        # the combine releases the output projection at its start (it prefetches its weight)
+        opts = {"release_next": self.kernels.linear == "fast", **self._attn_options}
         # RoPE of q and k + the K/V cache write: one kernel (the reference's operations, exactly)
         if cache.kind == "full":
             q = _rope.rope_kv_write(qkv, tab["cos"], tab["sin"], nh, nkv, cache.k, cache.v, positions)
-            _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o, **self._attn_options)
+            _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o, **opts)
         else:
             slots = tab.get(("slots", cache.slots))
             if slots is None:
                 slots = tab[("slots", cache.slots)] = positions % cache.slots
             q = _rope.rope_kv_write(qkv, tab["cos"], tab["sin"], nh, nkv, cache.k, cache.v, slots,
                                     labels=cache.labels, positions=positions)
-            _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o,
-                                        **self._attn_options)
-        out = o.view(T, nh * d) @ lw.wo.T
+            _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
+        out = self._proj(o.view(T, nh * d), lw.wo)
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
     def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None) -> torch.Tensor:

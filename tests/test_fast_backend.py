@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 LOGITS_BOUND = 0.05
-KERNEL_MODULES = ("attention", "moe", "norm", "sampler")
+KERNEL_MODULES = ("attention", "moe", "norm", "sampler", "linear", "uniform")
 
 if not HAS_CUDA:
     # As tests/kernels/conftest.py: the interpreter must be on before triton is first imported (its
@@ -263,7 +263,8 @@ def test_interpreted_rank_emulation_q1_shapes(interp):
 PIECE_ENTRY_POINTS = {"attention": ("_attn", ("decode_attention_full", "decode_attention_ring")),
                       "moe": ("_moe", ("fused_moe_fp8",)),
                       "norm": ("_norm", ("fused_add_rmsnorm",)),
-                      "sampler": ("_sampler", ("sample_topk_topp",))}
+                      "sampler": ("_sampler", ("sample_topk_topp",)),
+                      "linear": ("_linear", ("skinny_linear",))}
 
 
 class KernelSpy:
@@ -402,7 +403,7 @@ def test_interpreted_kernel_options_are_checked_at_construction(interp):
 
 
 @cpu_only
-@pytest.mark.parametrize("piece", ["attention", "moe", "norm"])
+@pytest.mark.parametrize("piece", ["attention", "moe", "norm", "linear"])
 def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast_run, piece):
     """kernels.<piece>=reference: verify logits within the bound of the FP32 reference like the all-fast
     model, the piece's kernel never called and every other kernel still called. Negative control: in
@@ -415,7 +416,7 @@ def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast
     assert e_fast < LOGITS_BOUND and e < LOGITS_BOUND, (e_fast, e)
     assert spy_fast.count(piece) > 0            # negative control: the spy sees the kernel when it runs
     assert spy.count(piece) == 0
-    for other in ("attention", "moe", "norm"):
+    for other in ("attention", "moe", "norm", "linear"):
         if other != piece:
             assert spy.count(other) == spy_fast.count(other) > 0, other
     if piece == "attention":                    # both layer kinds ran through the kernel when fast

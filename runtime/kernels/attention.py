@@ -714,7 +714,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
 
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
-                          tma=None, combine_num_warps=None, combine_one_load=None):
+                          tma=None, combine_num_warps=None, combine_one_load=None, release_next=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -730,25 +730,30 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     that kernel, so ``start_pos`` must not be written by the kernel launched immediately before
     (the runtime writes positions at the start of a round); q and the new K/V rows may be.
     ``tail_prefetch``, ``tma``, ``combine_num_warps``, ``combine_one_load``: v2 / combine options, None:
-    the module's TAIL_PREFETCH, TMA, COMBINE_NUM_WARPS, COMBINE_ONE_LOAD.
+    the module's TAIL_PREFETCH, TMA, COMBINE_NUM_WARPS, COMBINE_ONE_LOAD. ``release_next`` (with PDL):
+    the combine releases the kernel after the call at its start (griddepcontrol.launch_dependents), for
+    a successor that is a programmatic dependent with work to do before its wait (the fast model's
+    output projection prefetches its weight); off by default, so that the benchmarks time a call
+    without overlap with the next.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
-                   combine_one_load=combine_one_load)
+                   combine_one_load=combine_one_load, _combine_trigger=bool(release_next))
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
-                          tma=None, combine_num_warps=None, combine_one_load=None):
+                          tma=None, combine_num_warps=None, combine_one_load=None, release_next=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
-    max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host).
+    max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
+    ``decode_attention_full``.
     """
     return _launch(q, k_ring, v_ring, start_pos, sinks, out, ring=True, window=int(window),
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
-                   combine_one_load=combine_one_load)
+                   combine_one_load=combine_one_load, _combine_trigger=bool(release_next))
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -10,6 +10,10 @@ out = r * rsqrt(ss / H + eps) * weight, written in BF16, and optionally the same
 (``out16``: exact wherever FP16 can hold them, which is what the MoE's Gate/Up would convert them to
 on every tile: it reads this copy instead). Under tensor parallelism the all-reduce of x comes before
 this kernel (the lead's fused path may replace it).
+
+Programmatic dependent launch (``PDL``, sm_90+ CUDA): the kernel releases its own dependent at its
+start (the next projection may launch and prefetch its weights while this runs) and waits
+(griddepcontrol.wait) for its predecessor before reading anything.
 """
 from __future__ import annotations
 
@@ -17,17 +21,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, launch_signature, next_pow2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import check, launch_signature, next_pow2, pdl_supported
 
 # Warps per row: 16 warps x 32 threads x 16 B loads cover a 6,144-wide BF16 row in under two
 # vector loads per thread, so each row's single pass is latency-, not issue-bound.
 NUM_WARPS = 16
+PDL = True
 
 
 @triton.jit(launch_metadata=launch_signature)
 def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, stride_x, stride_r, stride_o, stride_o16, eps,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr,
-                        HAS16: tl.constexpr = False, ROUND16_BUG: tl.constexpr = False):
+                        HAS16: tl.constexpr = False, ROUND16_BUG: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()   # the predecessor's x and residual are complete and visible from here
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -52,12 +63,14 @@ def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, stride_x, stride_r, stride_o, st
             tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
 
 
-def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, _norm_bug=False, _round16_bug=False):
+def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=None, _norm_bug=False,
+                      _round16_bug=False):
     """residual += x (in residual's dtype); out = RMSNorm(residual) * weight in BF16. Returns out.
 
     x [w, H] (bf16/fp32), residual [w, H] (bf16/fp32, updated in place), weight [H].
     ``out16`` [w, H] FP16 (optional): also written, out's BF16 values converted to FP16 (the MoE's
-    input: its Gate/Up then skips a per-tile conversion).
+    input: its Gate/Up then skips a per-tile conversion). ``pdl``: launched as a programmatic
+    dependent that releases its own dependent at its start (default PDL; sm_90+ CUDA only).
     ``_norm_bug`` is the tests' negative control (normalises by the RMS of x, not of the sum);
     ``_round16_bug`` another (out16 rounded from FP32, not from the BF16 values).
     """
@@ -75,11 +88,12 @@ def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, _norm_b
               and out16.device == x.device, "out16 [w, H] fp16 on the device of x")
     block_h = next_pow2(H)
     check(block_h <= 32768, "H <= 32768")
+    use_pdl = pdl_supported(x.device) and (PDL if pdl is None else bool(pdl))
     _add_rmsnorm_kernel[(w,)](
         x, residual, weight, out, out16 if has16 else out, x.stride(0), residual.stride(0), out.stride(0),
         out16.stride(0) if has16 else 0, float(eps),
-        H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug),
-        num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug), PDL=use_pdl,
+        num_warps=NUM_WARPS if block_h >= 4096 else 4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 

@@ -5,6 +5,7 @@ test_compile_sm90.py in a subprocess without TRITON_INTERPRET); prints a JSON re
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import re
@@ -46,6 +47,9 @@ class _CompileOnly:
 
 # What a launch's constexprs must (and must not) put into its PTX: (kernel, keyword, PTX text).
 PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
+             ("_linear_kernel", "PREFETCH", "prefetch.global.L2"),
+             ("_linear_kernel", "PDL", "griddepcontrol.launch_dependents"),
+             ("_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait"),
              ("_attn_split_v2_kernel", "TMA", "cp.async.bulk.tensor"),
              ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait"),
              ("_rope_kv_kernel", "PDL", "griddepcontrol.wait"),
@@ -79,7 +83,7 @@ def _compile_only(name, sink):
     return mod
 
 
-def _launch_everything(A, M, Nm, S, R, RT, U):
+def _launch_everything(A, M, Nm, S, R, RT, U, LN):
     bf = torch.bfloat16
     for d, window, E, H, I in ((128, 4096, 128, 6144, 256), (64, 512, 32, 256, 128)):
         for w in (4, 8):
@@ -142,6 +146,12 @@ def _launch_everything(A, M, Nm, S, R, RT, U):
     for T, E, H in ((6, 128, 6144), (16, 32, 256)):                  # the router (q1, mini)
         for bug in (False, True):
             RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _order_bug=bug)
+    for (N, K, bn, sk), pdl in itertools.product(((1024, 6144, 32, 4), (6144, 768, 64, 1), (512, 256, None, None),
+                                                  (1024, 6144, 128, 1)), (True, False)):   # projections (q1: 132 SMs)
+        LN.skinny_linear(torch.randn(6, K).to(bf), torch.randn(N, K).to(bf), block_n=bn, split_k=sk, pdl=pdl,
+                         prefetch=pdl)
+    LN.skinny_linear(torch.randn(6, 6144).to(bf), torch.randn(1024, 6144).to(bf), block_n=128, split_k=16,
+                     _drop_bug=True, _no_wait=True)
     for seed in (torch.tensor(3), 5):                                # the round's uniforms
         U.uniform(seed, torch.arange(7), 2)
     U.uniform(3, torch.arange(7), 2, _bug=True)
@@ -159,9 +169,11 @@ def main():
 
     sink = []
     drv.set_active(_Sm90Driver())
-    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope", "router", "uniform")]
-    for m in mods[:2]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
+    mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope", "router", "uniform",
+                                             "linear")]
+    for m in mods[:3] + mods[7:]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
         m.pdl_supported = lambda device: True
+    mods[7].compiled_cuda = lambda device: True   # and the weight prefetch
     mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches
     mods[4].pdl_supported = lambda device: True
     _launch_everything(*mods)

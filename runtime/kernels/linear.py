@@ -1,0 +1,184 @@
+"""Skinny BF16 linear layer for the decode round: y = x @ W^T for at most 16 rows, launched while the
+kernel before it still runs.
+
+Why not cuBLAS: at 6 rows a projection is a pure weight stream (the q1 rank's fused Q/K/V weight is
+12.6 MB, the output projection 9.4 MB: 3.0 and 2.2 us of bandwidth), but in the step's CUDA graph
+cuBLAS takes ~7.6 us (split-K GEMM + its reduce) and ~5.0 us (``bench_step.py --profile``, session
+13): each launch waits for its predecessor to complete. This kernel is a programmatic dependent
+(griddepcontrol, sm_90+): it launches while the kernel before it (a norm, the attention combine)
+still runs, releases its own dependent (RoPE, the norm) at its start, and waits for the
+predecessor's output x only before reading it. In the q1 step's graph that is 1.2-1.8 % of the step
+faster than cuBLAS (same-run A/B, ``bench_step.py --ab cublas_linear``, session 14); launched
+plainly it is no faster than cuBLAS. Option ``prefetch``: ask L2 for the whole weight tile before the
+wait (the weights do not depend on the step; a prefetch returns no data, so nothing stale can be
+read). Measured slower in the step (0.6-1.2 %, ``--ab linear_no_prefetch``), so off by default.
+
+Algorithm (``_linear_kernel``, grid (N / BLOCK_N, SPLIT_K))
+----------------------------------------------------------
+Program (n, s) owns output columns [n * BLOCK_N, (n + 1) * BLOCK_N) and the s-th slice of K
+(K_SLICE = K / SPLIT_K columns): a software-pipelined loop of BLOCK_K steps of x [16, BLOCK_K]
+against W [BLOCK_N, BLOCK_K] (tensor cores, FP32 accumulation). With SPLIT_K = 1 it writes y
+(BF16). Otherwise it stores its FP32 partial, takes a ticket on the column block's arrival counter
+(release/acquire, after a CTA barrier), and the last of the SPLIT_K programs sums the partials in
+slice order (deterministic) and writes y, then re-zeroes the counter (CUDA-graph replays).
+
+Numerics: FP32 sums of BF16 products, rounded once to BF16, as cuBLAS does, in another order (so
+results may differ from cuBLAS in the last bit; the tests compare against FP64).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import check, compiled_cuda, device_sm_count, launch_signature, next_pow2, pdl_supported, prefetch_l2
+
+BLOCK_M = 16        # rows, padded (the tensor-core product's M >= 16)
+BLOCK_K = 128       # K per loop step (the largest of 128, 64, 32, 16 that divides a slice)
+NUM_STAGES = 4
+NUM_WARPS = 4
+PDL = True          # programmatic dependent launch (session 14, q1 step A/B: 1.4-2.0 % of the step)
+PREFETCH = False    # the weight tile asked of L2 before the wait (session 14: the step 0.6-1.2 % slower)
+MAX_ROWS = BLOCK_M
+
+
+@triton.jit(do_not_specialize=["M"], launch_metadata=launch_signature)
+def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
+                   N: tl.constexpr, K_SLICE: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
+                   DROP_BUG: tl.constexpr = False, NO_WAIT: tl.constexpr = False):
+    pn = tl.program_id(0)
+    ps = tl.program_id(1)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = ps * K_SLICE
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+    if PREFETCH:   # the weight tile into L2 (128-byte lines) while the predecessor still runs
+        LINES: tl.constexpr = max(1, K_SLICE * 2 // 128)
+        for c in range(0, BLOCK_N * LINES, PF_CHUNK):
+            idx = tl.minimum(c + tl.arange(0, PF_CHUNK), BLOCK_N * LINES - 1)
+            prefetch_l2(W + (pn * BLOCK_N + idx // LINES).to(tl.int64) * stride_w + k0 + (idx % LINES) * 64)
+    if PDL:
+        gdc_launch_dependents()
+        if not NO_WAIT:   # (NO_WAIT: negative control of the tests)
+            gdc_wait()   # the predecessor's x is complete and visible from here
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    start = BLOCK_K if DROP_BUG else 0   # negative control: the first K step of every slice skipped
+    for kk in range(start, K_SLICE, BLOCK_K):
+        x = tl.load(X + offs_m[:, None] * stride_x + (k0 + kk + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_rows + (k0 + kk + offs_k)[None, :])
+        acc += tl.dot(x, tl.trans(w))
+    y_ptrs = Y + offs_m[:, None] * stride_y + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        part = PART + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + ps * (BLOCK_M * N), acc)
+        # every thread's stores precede (bar.sync) the one release-add that publishes them
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + pn, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:   # the last slice of this column block: all partials visible
+            tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):   # slice order: deterministic
+                tot += tl.load(part + s * (BLOCK_M * N), cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(Y.dtype.element_ty), mask=m_ok[:, None])
+            tl.atomic_xchg(CNT + pn, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
+
+
+def _block_k(k_slice: int) -> int:
+    return next(b for b in (BLOCK_K, 64, 32, 16, 0) if b == 0 or k_slice % b == 0)
+
+
+def unsupported(N: int, K: int) -> str | None:
+    """None when an [N, K] weight can be tiled; otherwise why not."""
+    if N % 16 or K % 16:
+        return f"an [{N}, {K}] weight: skinny_linear needs N and K multiples of 16"
+    return None
+
+
+def plan(N: int, K: int, sms: int) -> tuple[int, int]:
+    """(block_n, split_k) for an [N, K] weight on ``sms`` multiprocessors: the fewest bytes one
+    multiprocessor reads after the wait (all from L2 once the weights are prefetched: its programs'
+    weight tiles and x slices, ~8 rows; with split K the last arriver's partials plus one round trip,
+    counted as 16 KiB), programs spread evenly over the SMs; ties to fewer programs, then to wider
+    column blocks."""
+    best = None
+    for bn in (16, 32, 64, 128):
+        if N % bn:
+            continue
+        for sk in (1, 2, 3, 4, 6, 8, 12, 16):
+            if K % sk or not _block_k(K // sk):
+                continue
+            progs = N // bn * sk
+            ks = K // sk
+            per_sm = (-(-progs // sms) * (bn + 8) * ks * 2            # weight tile + ~8 rows of x
+                      + (16384 + sk * BLOCK_M * bn * 4 if sk > 1 else 0))   # the last arriver's sum
+            key = (per_sm, progs, -bn)
+            if best is None or key < best[0]:
+                best = (key, bn, sk)
+    check(best is not None, unsupported(N, K) or f"no tiling of an [{N}, {K}] weight")
+    return best[1], best[2]
+
+
+def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, pdl=None, prefetch=None,
+                  num_stages=None, _drop_bug=False, _poison=False, _no_wait=False):
+    """y = x @ w^T in BF16 (FP32 accumulation) for x [M, K] BF16 (M <= 16) and w [N, K] BF16.
+
+    ``out`` [M, N] BF16 to write into (row stride free). ``block_n`` / ``split_k``: the tiling
+    (default ``plan``). ``counter``: int32 device tensor of at least N / block_n zeros, left zero by
+    every call (pass a persistent one for CUDA-graph capture; by default one is zeroed per call).
+    ``pdl``: programmatic dependent launch (default PDL; sm_90+ CUDA only, ignored elsewhere);
+    ``prefetch``: with PDL, the L2 prefetch of the weight tile before the wait (default PREFETCH).
+    ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
+    partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
+    are the tests'."""
+    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], "x [M, K], w [N, K]")
+    check(x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16, "x and w in BF16")
+    check(x.stride(1) == 1 and w.stride(1) == 1, "contiguous rows")
+    check(x.device == w.device, "x and w on one device")
+    M, K = x.shape
+    N = w.shape[0]
+    check(1 <= M <= MAX_ROWS, f"1 <= rows <= {MAX_ROWS}")
+    dev = x.device
+    if block_n is None or split_k is None:
+        bn, sk = plan(N, K, device_sm_count(dev))
+        block_n = bn if block_n is None else int(block_n)
+        split_k = sk if split_k is None else int(split_k)
+    check(block_n in (16, 32, 64, 128) and N % block_n == 0, f"block_n {block_n}: 16-128, dividing N = {N}")
+    check(split_k >= 1 and K % split_k == 0 and _block_k(K // split_k) > 0,
+          f"split_k {split_k}: K = {K} in slices of a multiple of 16")
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
+    check(out.shape == (M, N) and out.dtype == torch.bfloat16 and out.stride(1) == 1 and out.device == dev,
+          "out [M, N] BF16 with contiguous rows")
+    n_blocks = N // block_n
+    if split_k > 1:
+        if counter is None:
+            counter = torch.zeros(n_blocks, dtype=torch.int32, device=dev)
+        check(counter.dtype == torch.int32 and counter.device == dev and counter.numel() >= n_blocks,
+              f"counter: int32, at least {n_blocks} on x's device")
+        part = (torch.full((split_k, BLOCK_M, N), float("nan"), dtype=torch.float32, device=dev) if _poison
+                else torch.empty((split_k, BLOCK_M, N), dtype=torch.float32, device=dev))
+    else:
+        counter = part = out
+    use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
+    use_pf = use_pdl and compiled_cuda(dev) and (PREFETCH if prefetch is None else bool(prefetch))
+    k_slice = K // split_k
+    _linear_kernel[(n_blocks, split_k)](
+        x, w, out, part, counter, M, x.stride(0), w.stride(0), out.stride(0),
+        N=N, K_SLICE=k_slice, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=_block_k(k_slice),
+        PDL=use_pdl, PREFETCH=use_pf, PF_CHUNK=min(1024, next_pow2(block_n * max(1, k_slice * 2 // 128))),
+        DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES if num_stages is None else int(num_stages),
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return out
+
+
+def linear_reference(x, w):
+    """FP64 x @ w^T (the tests' oracle)."""
+    return x.double() @ w.double().T

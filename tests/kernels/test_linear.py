@@ -1,0 +1,145 @@
+"""The skinny linear layer (decode projections) against FP64.
+
+On fresh random non-zero inputs with poisoned outputs and partials: y = x @ w^T within the BF16
+rounding of y (plus FP32 summation noise), at the q1 rank's Q/K/V (6144 -> 1024) and output
+(768 -> 6144) projections and q1-mini shapes, 1-16 rows, one and several K slices. The counters are
+left at zero (CUDA-graph replays give the same y for new x). Negative control: every K slice's first
+step skipped (``_drop_bug``) must fail the same bound. With PDL, the weight prefetch before the wait
+cannot hand out stale x: a graph whose predecessor rewrites x matches the reference every replay.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import HAS_CUDA, cpu_only, load_kernels
+
+# (K, N): the q1 rank's fused Q/K/V and output projections; q1-mini-like shapes for the interpreter
+Q1_SHAPES = [(6144, 1024), (768, 6144)]
+MINI_SHAPES = [(256, 512), (384, 256)]
+TOL = 8e-3    # |y - ref| / max|ref|: BF16 output rounding (2^-9 relative) plus FP32 sums
+
+
+def _dev():
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def _inputs(M, K, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    return x.to(_dev()), w.to(_dev())
+
+
+def _err(L, x, w, **kw):
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=torch.bfloat16, device=x.device)
+    y = L.skinny_linear(x, w, out, _poison=True, **kw)
+    assert y is out
+    ref = L.linear_reference(x, w)
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _check(L, M, K, N, seed, **kw):
+    x, w = _inputs(M, K, N, seed)
+    e = _err(L, x, w, **kw)
+    assert e < TOL, (M, K, N, kw, e)
+    eb = _err(L, x, w, _drop_bug=True, **kw)
+    assert eb > TOL, (M, K, N, kw, eb)       # the negative control fails the same bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 6, 8, 16])
+@pytest.mark.parametrize("K,N", Q1_SHAPES + MINI_SHAPES)
+def test_q1_and_mini_shapes_default_plan(M, K, N):
+    _check(load_kernels("linear"), M, K, N, seed=M * 7 + N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n,split_k", [(16, 1), (32, 4), (64, 3), (128, 6), (16, 16)])
+@pytest.mark.parametrize("pdl", [True, False])
+def test_q1_qkv_tilings(block_n, split_k, pdl):
+    _check(load_kernels("linear"), 6, 6144, 1024, seed=block_n + split_k, block_n=block_n, split_k=split_k,
+           pdl=pdl, prefetch=pdl)
+
+
+@pytest.mark.gpu
+def test_graph_replays_leave_the_counters_at_zero():
+    """A captured call (split K, PDL) replayed with new x each time: y matches, counters stay zero."""
+    L = load_kernels("linear")
+    x, w = _inputs(6, 6144, 1024, 3)
+    cnt = torch.zeros(1024 // 32, dtype=torch.int32, device="cuda")
+    out = torch.empty(6, 1024, dtype=torch.bfloat16, device="cuda")
+    L.skinny_linear(x, w, out, block_n=32, split_k=4, counter=cnt)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        L.skinny_linear(x, w, out, block_n=32, split_k=4, counter=cnt)
+    for seed in range(4):
+        x.copy_(_inputs(6, 6144, 1024, 100 + seed)[0])
+        out.fill_(float("nan"))
+        g.replay()
+        ref = L.linear_reference(x, w)
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < TOL
+        assert int(cnt.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("no_wait", [False, True])
+def test_pdl_prefetch_never_reads_a_stale_x(no_wait):
+    """In a graph, a Triton norm that writes x (and releases its dependents at its start) precedes the
+    linear layer (a programmatic dependent, here prefetching its weight before its wait): y is the
+    reference's of the new x in every replay. Negative control: the same launch without the wait
+    reads x before the norm has written it (in a graph the two launches are back to back), and the
+    same comparison catches it."""
+    L = load_kernels("linear")
+    Nm = load_kernels("norm")
+    K, N = 6144, 1024
+    x0, w = _inputs(6, K, N, 5)
+    res = torch.zeros_like(x0)
+    wt = torch.ones(K, dtype=torch.bfloat16, device="cuda")
+    h = torch.empty_like(x0)
+    out = torch.empty(6, N, dtype=torch.bfloat16, device="cuda")
+    cnt = torch.zeros(N // 16, dtype=torch.int32, device="cuda")
+
+    def run():
+        res.zero_()
+        Nm.fused_add_rmsnorm(x0, res, wt, 1e-6, out=h, pdl=True)
+        L.skinny_linear(h, w, out, counter=cnt, prefetch=True, _no_wait=no_wait)
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    errs = []
+    for seed in range(4):
+        x0.copy_(_inputs(6, K, N, 200 + seed)[0])
+        out.fill_(float("nan"))
+        g.replay()
+        ref = L.linear_reference(h, w)
+        e = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        errs.append(e if e == e else float("inf"))    # NaN (unwritten) counts as a failure
+    if no_wait:
+        assert max(errs) > TOL, errs
+    else:
+        assert max(errs) < TOL, errs
+
+
+def test_plan_and_argument_checks():
+    L = load_kernels("linear")
+    assert L.plan(1024, 6144, 132) == (32, 4)
+    assert L.plan(6144, 768, 132) == (64, 1)
+    x, w = _inputs(4, 256, 512, 1)
+    with pytest.raises(ValueError):
+        L.skinny_linear(x.float(), w)
+    with pytest.raises(ValueError):
+        L.skinny_linear(x, w, block_n=48)
+    with pytest.raises(ValueError):
+        L.skinny_linear(torch.cat([x] * 5), w)       # 20 rows
+
+
+@cpu_only
+@pytest.mark.parametrize("K,N", MINI_SHAPES)
+@pytest.mark.parametrize("tiling", ["plan", "one_slice", "every_step_a_slice"])
+def test_interp_mini_shapes(K, N, tiling):
+    L = load_kernels("linear")
+    kw = {"plan": {}, "one_slice": dict(block_n=32, split_k=1),
+          "every_step_a_slice": dict(block_n=16, split_k=K // L.BLOCK_K)}[tiling]
+    _check(L, 5, K, N, seed=K + N, **kw)
