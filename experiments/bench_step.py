@@ -236,6 +236,9 @@ AB_VARIANTS = {
     "linear_no_pdl": lambda rnd: _model_variant(rnd, _proj=_skinny(pdl=False)(rnd.model)),
     # skinny_linear launched early but without the weight prefetch before its wait
     "linear_no_prefetch": lambda rnd: _model_variant(rnd, _proj=_skinny(prefetch=False)(rnd.model)),
+    # the router and Gate/Up launched plainly (not programmatic dependents of the norm / the router)
+    "router_gu_plain": lambda rnd: _model_variant(rnd, moe_pdl=False, _moe_options={**rnd.model._moe_options,
+                                                                                    "gu_pdl": False}),
     # the attention combine does not release the output projection at its start
     "no_release": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                    "release_next": False}),

@@ -203,6 +203,9 @@ class FastModel(Model):
         # route_topk's arrival counter: zero, and left zero by every call (one per model: calls are
         # stream-ordered)
         self._route_counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        # the router and the MoE as programmatic dependents (None: the kernels' defaults); moe_options'
+        # ``pdl`` sets both
+        self.moe_pdl = self._moe_options.get("pdl")
         self._qkv: dict[int, torch.Tensor] = {}
         nq, nk = sh.num_heads * d, sh.num_kv_heads * d
         for lw in self.layers + [m.layer for m in self.mtp]:
@@ -272,7 +275,7 @@ class FastModel(Model):
         otherwise torch with the FP32 router kept."""
         if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T:   # (the router is BF16)
             return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok,
-                                      counter=self._route_counter)
+                                      counter=self._route_counter, pdl=self.moe_pdl)
         r = self._router32.get(id(lw))
         if r is None:
             return super().route(lw, x)

@@ -210,10 +210,16 @@ def _moe_gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+    WAIT: tl.constexpr = False,
 ):
     g = tl.program_id(0)
     nb = tl.program_id(1)
-    if PDL:   # the Down may launch now: it waits (griddepcontrol.wait) before reading what this writes
+    if WAIT:   # launched as a programmatic dependent of the router: its ids (and the norm's x) from here
+        gdc_wait()
+    # The Down may launch now: it waits (griddepcontrol.wait) before reading what this writes, but
+    # reads the ids before its wait, so it is released only once the router's ids are final (after
+    # the wait above; released earlier, it read stale ids: the H200 showed illegal addresses).
+    if PDL:
         gdc_launch_dependents()
     expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
     op_ty = tl.float16 if F16 else tl.bfloat16
@@ -302,7 +308,7 @@ def _moe_down_wide_kernel(
     g = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    # IDS and the weights were written before Gate/Up started: safe to read before the wait
+    # IDS and the weights were final before Gate/Up released this kernel: safe to read before the wait
     expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
     if g < n_groups:
         if PDL:
@@ -355,8 +361,8 @@ def _moe_down_wide_kernel(
 @triton.jit(launch_metadata=launch_signature)
 def _moe_reduce_kernel(Y, TW, OUT, stride_ym, stride_tw, stride_om, H: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:
-        gdc_wait()
+    if PDL:   # (it does not release the next kernel early: session 14, call 6, that made the chain of
+        gdc_wait()   # early launches reach the next layer's attention while the Down ran, 4 % slower)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -547,7 +553,7 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
-                    block_n=GU_BLOCK_N, pdl=False, unroll=None):
+                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
@@ -559,8 +565,9 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=block_n, BLOCK_K=GU_BLOCK_K,
         SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
-        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)),
+        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
+        **({"launch_pdl": True} if wait else {}),
     )
 
 
@@ -651,7 +658,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
-             _drop_split=False, _pdl_no_wait=False):
+             gu_pdl=None, _drop_split=False, _pdl_no_wait=False, _gu_no_wait=False):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -687,7 +694,9 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         steps = [
             ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
-                                                block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll)),
+                                                block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
+                                                wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
+                                                no_wait=_gu_no_wait)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
@@ -741,13 +750,15 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     pipelined wide Down kernel); ``gu_f16`` / ``down_f16`` (FP16 instead of BF16 operands in Gate/Up /
     in the wide Down; defaults GU_F16 / DOWN_F16); ``gu_block_n`` (Gate/Up columns per program, also
     the activation-scale block; default GU_BLOCK_N); ``pdl`` (programmatic dependent launch of the
-    wide Down and the reduce, CUDA sm_90+ only, ignored elsewhere; default PDL); ``down_prefetch``
+    wide Down and the reduce, and of Gate/Up behind the router: it waits before reading ids and x;
+    CUDA sm_90+ only, ignored elsewhere; default PDL; ``gu_pdl=False`` launches Gate/Up plainly
+    while the rest stays programmatic); ``down_prefetch``
     (weight tiles per Down program prefetched to L2 before its wait, with pdl; default DOWN_PREFETCH);
     ``red_block_h`` (reduce columns per program; default RED_BLOCK_H); ``gu_unroll`` (K steps per
     Gate/Up loop iteration; default GU_UNROLL at the default width, else 1).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction; ``_pdl_no_wait``
-    launches the wide Down early (pdl) without its wait.
+    launches the wide Down early (pdl) without its wait; ``_gu_no_wait`` the same for Gate/Up.
     """
     out, steps = moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out, **options)
     for _, launch in steps:

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, launch_signature, next_pow2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ._common import check, launch_signature, next_pow2, pdl_supported
 from .sampler import _KEY_MIN, _keys
 
 BLOCK_E = 16      # experts per program (the tensor-core product's N >= 16)
@@ -36,13 +38,20 @@ SPLIT_H = 8       # H slices: 8 x 8 = 64 programs at E = 128; each reads 16 x 76
 BLOCK_K = 128
 BLOCK_T = 16      # rows, padded (the product's M >= 16)
 NUM_WARPS = 4
+# Programmatic dependent launch: the router launches while the norm before it runs, releases the MoE's
+# Gate/Up at its start and waits for the norm before reading x (sm_90+ CUDA; keyword pdl).
+PDL = True
 
 
 @triton.jit(launch_metadata=launch_signature)
 def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, stride_w, T,
                    H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, HS: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_H: tl.constexpr, E_POW2: tl.constexpr, ORDER_BUG: tl.constexpr = False):
+                   SPLIT_H: tl.constexpr, E_POW2: tl.constexpr, ORDER_BUG: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()   # the norm's x from here
     eb = tl.program_id(0)
     hs = tl.program_id(1)
     n_prog = tl.num_programs(0) * tl.num_programs(1)
@@ -97,14 +106,15 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
 
 
-def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, _order_bug=False,
+def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, pdl=None, _order_bug=False,
                _poison=False):
     """(ids [T, k] int32, weights [T, k] FP32) of the top-k experts of FP32 logits x @ router^T.
 
     x [T, H] BF16 (T <= 16), router [E, H] BF16 (E <= 1024, k a power of two <= E). ``counter``: an
     int32 device tensor holding zero, left zero by every call (pass a persistent one for CUDA-graph
     capture; otherwise one is zeroed per call). ``ids`` / ``weights``: outputs to write into.
-    ``split_h``: H slices (default SPLIT_H). ``_order_bug``: negative control of the tests (equal
+    ``split_h``: H slices (default SPLIT_H). ``pdl``: programmatic dependent launch (default PDL;
+    sm_90+ CUDA only). ``_order_bug``: negative control of the tests (equal
     logits in the wrong order); ``_poison``: the partial-logit workspace starts as NaN (tests: a
     finalise that reads a partial before it is written shows)."""
     check(x.dim() == 2 and router.dim() == 2 and x.shape[1] == router.shape[1], "x [T, H], router [E, H]")
@@ -133,11 +143,13 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     part = (torch.full(shape, float("nan"), dtype=torch.float32, device=dev) if _poison
             else torch.empty(shape, dtype=torch.float32, device=dev))
     hs = triton.cdiv(triton.cdiv(H, split), BLOCK_K) * BLOCK_K   # H per slice, whole BLOCK_K steps
+    use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
     _router_kernel[(triton.cdiv(E, BLOCK_E), split)](
         x, router, part, counter, ids, weights, x.stride(0), router.stride(0), ids.stride(0),
         weights.stride(0), T,
         H=H, E=E, K=k, HS=hs, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT_H=split,
-        E_POW2=e_pow2, ORDER_BUG=bool(_order_bug), num_warps=NUM_WARPS,
+        E_POW2=e_pow2, ORDER_BUG=bool(_order_bug), PDL=use_pdl, num_warps=NUM_WARPS,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return ids, weights
 

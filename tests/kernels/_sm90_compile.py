@@ -50,6 +50,8 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_linear_kernel", "PREFETCH", "prefetch.global.L2"),
              ("_linear_kernel", "PDL", "griddepcontrol.launch_dependents"),
              ("_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait"),
+             ("_router_kernel", "PDL", "griddepcontrol.wait"),
+             ("_moe_gate_up_kernel", "WAIT", "griddepcontrol.wait"),
              ("_attn_split_v2_kernel", "TMA", "cp.async.bulk.tensor"),
              ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait"),
              ("_rope_kv_kernel", "PDL", "griddepcontrol.wait"),
@@ -171,7 +173,7 @@ def main():
     drv.set_active(_Sm90Driver())
     mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope", "router", "uniform",
                                              "linear")]
-    for m in mods[:3] + mods[7:]:   # the stand-in device is the CPU: let the pdl=True launches compile for sm_90
+    for m in mods[:3] + mods[5:6] + mods[7:]:   # the stand-in device is the CPU: pdl=True launches for sm_90
         m.pdl_supported = lambda device: True
     mods[7].compiled_cuda = lambda device: True   # and the weight prefetch
     mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches

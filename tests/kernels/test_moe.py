@@ -222,6 +222,46 @@ def test_pdl_without_the_wait_is_caught():
 
 
 @pytest.mark.gpu
+def test_gate_up_waits_for_the_router():
+    """The chain router -> MoE as the fast model launches it (both programmatic dependents; the router
+    releases Gate/Up at its start) captured in a CUDA graph and replayed with new x, so new routing
+    every replay: the output is the reference's for the router's ids. Negative control: Gate/Up
+    launched early without its wait (``_gu_no_wait``) reads the previous replay's ids, and the same
+    check catches it."""
+    M = load_kernels("moe")
+    R = load_kernels("router")
+    w13, s13, w2, s2 = _q1_weights()
+    w = 6
+    r = (torch.randn(Q1["E"], Q1["H"], device="cuda") / math.sqrt(Q1["H"])).to(torch.bfloat16)
+    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    worst = {}
+    for no_wait in (False, True):
+        x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
+        ids = torch.empty(w, 8, dtype=torch.int32, device="cuda")
+        tw = torch.empty(w, 8, device="cuda")
+        out = torch.empty(w, Q1["H"], dtype=torch.bfloat16, device="cuda")
+
+        def run():
+            R.route_topk(x, r, 8, counter=cnt, ids=ids, weights=tw)
+            M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _gu_no_wait=no_wait)
+        run()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        worst[no_wait] = 0.0
+        for _ in range(6):
+            x.copy_(torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16))
+            out.fill_(float("nan"))
+            g.replay()
+            emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
+            e = rel_err(out, emu)
+            worst[no_wait] = max(worst[no_wait], e if e == e else float("inf"))
+        del g
+    assert worst[False] < TOL_EMU and worst[True] > TOL_EMU, worst
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("nb", [2, 4, 8])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
 def test_q1_shard_wide_down(w, kind, nb):
