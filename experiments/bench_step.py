@@ -239,9 +239,9 @@ AB_VARIANTS = {
     # the router and Gate/Up launched plainly (not programmatic dependents of the norm / the router)
     "router_gu_plain": lambda rnd: _model_variant(rnd, moe_pdl=False, _moe_options={**rnd.model._moe_options,
                                                                                     "gu_pdl": False}),
-    # the attention combine does not release the output projection at its start
-    "no_release": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
-                                                                   "release_next": False}),
+    # the attention combine releases the output projection at its start (attention option release_next)
+    "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
+                                                                     "release_next": True}),
 }
 
 

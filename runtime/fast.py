@@ -16,7 +16,6 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
                                                p % R, labels too)
     o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
     h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16); Wo: skinny_linear
-                                               too, released by the attention's combine at its start
     ids, weights = route_topk(h, router, 8)    FP32 router logits from the BF16 input, top 8,
                                                softmax: one kernel (the reference: 3-5 torch launches)
     m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
@@ -306,8 +305,10 @@ class FastModel(Model):
             return self.comm.all_reduce(out) if sh.tp_size > 1 else out
         o = torch.empty(T, nh, d, dtype=_BF16, device=h.device)
         sinks = None if self.broken == "drop_sinks" else lw.sinks
-        # the combine releases the output projection at its start (it prefetches its weight)
-        opts = {"release_next": self.kernels.linear == "fast", **self._attn_options}
+        # (release_next, the combine releasing the output projection at its start, is an option: with
+        # the router and Gate/Up programmatic too, the chain of early launches then reaches the MoE
+        # while the attention runs: session 14, call 9, the step 0.6-0.8 % slower with it)
+        opts = self._attn_options
         # RoPE of q and k + the K/V cache write: one kernel (the reference's operations, exactly)
         if cache.kind == "full":
             q = _rope.rope_kv_write(qkv, tab["cos"], tab["sin"], nh, nkv, cache.k, cache.v, positions)

@@ -732,9 +732,8 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     ``tail_prefetch``, ``tma``, ``combine_num_warps``, ``combine_one_load``: v2 / combine options, None:
     the module's TAIL_PREFETCH, TMA, COMBINE_NUM_WARPS, COMBINE_ONE_LOAD. ``release_next`` (with PDL):
     the combine releases the kernel after the call at its start (griddepcontrol.launch_dependents), for
-    a successor that is a programmatic dependent with work to do before its wait (the fast model's
-    output projection prefetches its weight); off by default, so that the benchmarks time a call
-    without overlap with the next.
+    a successor that is a programmatic dependent; off by default (the q1 step measured 0.6-0.8 %
+    slower with it, session 14), and the benchmarks time a call without overlap with the next.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
