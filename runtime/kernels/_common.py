@@ -40,6 +40,17 @@ def check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_rows_by_weight(x, w, max_rows: int, names: str = "x [M, K], w [N, K]") -> tuple[int, int, int]:
+    """(M, K, N) of a BF16 x [M, K] (1 <= M <= max_rows) against a BF16 weight w [N, K], both with
+    contiguous rows on one device (a decode-round product: the router, the projections)."""
+    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], names)
+    check(x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16, f"{names}: both in BF16")
+    check(x.stride(1) == 1 and w.stride(1) == 1, f"{names}: contiguous rows")
+    check(x.device == w.device, f"{names}: on one device")
+    check(1 <= x.shape[0] <= max_rows, f"{names}: 1 to {max_rows} rows")
+    return x.shape[0], x.shape[1], w.shape[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

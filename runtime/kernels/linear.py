@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, compiled_cuda, device_sm_count, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from ._common import (check, check_rows_by_weight, compiled_cuda, device_sm_count, launch_signature, next_pow2,
+                      pdl_supported, prefetch_l2)
 
 BLOCK_M = 16        # rows, padded (the tensor-core product's M >= 16)
 BLOCK_K = 128       # K per loop step (the largest of 128, 64, 32, 16 that divides a slice)
@@ -136,13 +137,7 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests'."""
-    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], "x [M, K], w [N, K]")
-    check(x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16, "x and w in BF16")
-    check(x.stride(1) == 1 and w.stride(1) == 1, "contiguous rows")
-    check(x.device == w.device, "x and w on one device")
-    M, K = x.shape
-    N = w.shape[0]
-    check(1 <= M <= MAX_ROWS, f"1 <= rows <= {MAX_ROWS}")
+    M, K, N = check_rows_by_weight(x, w, MAX_ROWS)
     dev = x.device
     if block_n is None or split_k is None:
         bn, sk = plan(N, K, device_sm_count(dev))

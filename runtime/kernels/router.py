@@ -30,7 +30,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, launch_signature, next_pow2, pdl_supported
+from ._common import check, check_rows_by_weight, launch_signature, next_pow2, pdl_supported
 from .sampler import _KEY_MIN, _keys
 
 BLOCK_E = 16      # experts per program (the tensor-core product's N >= 16)
@@ -117,13 +117,7 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     sm_90+ CUDA only). ``_order_bug``: negative control of the tests (equal
     logits in the wrong order); ``_poison``: the partial-logit workspace starts as NaN (tests: a
     finalise that reads a partial before it is written shows)."""
-    check(x.dim() == 2 and router.dim() == 2 and x.shape[1] == router.shape[1], "x [T, H], router [E, H]")
-    check(x.dtype == torch.bfloat16 and router.dtype == torch.bfloat16, "x and router in BF16")
-    check(x.stride(1) == 1 and router.stride(1) == 1, "contiguous rows")
-    check(x.device == router.device, "x and router on one device")
-    T, H = x.shape
-    E = router.shape[0]
-    check(1 <= T <= BLOCK_T, f"at most {BLOCK_T} rows")
+    T, H, E = check_rows_by_weight(x, router, BLOCK_T, "x [T, H], router [E, H]")
     check(k >= 1 and k & (k - 1) == 0 and k <= E <= 1024, "k a power of two, k <= E <= 1024")
     split = int(split_h or SPLIT_H)
     check(split >= 1, "split_h >= 1")
