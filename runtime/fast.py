@@ -32,10 +32,14 @@ Sampling: :meth:`FastModel.sample_rows` is the hook :class:`~runtime.speculative
 served distribution and the draw: ``sample_topk_topp`` on the rank's logits, with the counter-based
 uniforms as input; :meth:`FastModel.uniform` is the hook for those uniforms (``uniform``: one launch
 per call, the same bits as ``rng.uniform``'s ~50 torch launches). Under rank emulation the sampler
-runs on the local vocabulary slice and the candidate
-exchange is an excluded no-op (exactly what the reference's ``filter_dist`` does under emulation);
-under real tensor parallelism (peers exist) it falls back to the reference filter, which exchanges
-candidates.
+runs on the local vocabulary slice and the candidate exchange is an excluded no-op (exactly what the
+reference's ``filter_dist`` does under emulation); under real tensor parallelism (peers exist) it
+falls back to the reference filter, which exchanges candidates.
+
+Launches: the kernels of a decode pass are programmatic dependents (sm_90+): each launches while the
+one before it runs and waits (griddepcontrol.wait) before reading that kernel's output. A kernel that
+reads anything before its wait (the MoE Down reads the expert ids; the attention split reads
+start_pos) is released only once that data is final (see ``runtime/kernels/moe.py``).
 
 Per-piece selection (``runtime.kernels``, :class:`~runtime.config.KernelsConfig`, for A/B runs):
 each of ``attention``, ``moe``, ``norm``, ``sampler`` and ``linear`` is ``fast`` (its kernel, above) or

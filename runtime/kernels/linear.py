@@ -39,7 +39,7 @@ BLOCK_M = 16        # rows, padded (the tensor-core product's M >= 16)
 BLOCK_K = 128       # K per loop step (the largest of 128, 64, 32, 16 that divides a slice)
 NUM_STAGES = 4
 NUM_WARPS = 4
-PDL = True          # programmatic dependent launch (session 14, q1 step A/B: 1.4-2.0 % of the step)
+PDL = True          # programmatic dependent launch (session 14, q1 step A/B: 1.2-2.0 % of the step)
 PREFETCH = False    # the weight tile asked of L2 before the wait (session 14: the step 0.6-1.2 % slower)
 MAX_ROWS = BLOCK_M
 
