@@ -361,8 +361,10 @@ def _moe_down_wide_kernel(
 @triton.jit(launch_metadata=launch_signature)
 def _moe_reduce_kernel(Y, TW, OUT, stride_ym, stride_tw, stride_om, H: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:   # (it does not release the next kernel early: session 14, call 6, that made the chain of
-        gdc_wait()   # early launches reach the next layer's attention while the Down ran, 4 % slower)
+    # It does not release the next kernel early (session 14, call 6: the chain of early launches then
+    # reached the next layer's attention while the Down ran, and the step was 4 % slower).
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H

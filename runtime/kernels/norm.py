@@ -12,7 +12,7 @@ on every tile: it reads this copy instead). Under tensor parallelism the all-red
 this kernel (the lead's fused path may replace it).
 
 Programmatic dependent launch (``PDL``, sm_90+ CUDA): the kernel releases its own dependent at its
-start (the next projection may launch and prefetch its weights while this runs) and waits
+start (the next kernel, a projection or the router, launches while this one runs) and waits
 (griddepcontrol.wait) for its predecessor before reading anything.
 """
 from __future__ import annotations
