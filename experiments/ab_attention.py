@@ -10,7 +10,8 @@ all configs alike. Per shape and config it prints the median time per call, the 
 device-to-device copy bandwidth (KV + q/out bytes, as bench_kernels.py), and against the first config
 the median of the per-round ratios with their 10-90 % range: a difference is only worth acting on
 when that range excludes 1. The floor probes ``copy``, ``read`` and ``read2`` (see ``probe_calls``)
-move the same KV bytes without computing attention: what one call reading them costs here. $OUT/ab_attention.json/.csv hold every round's times.
+move the same KV bytes without computing attention: what one call moving them costs here.
+$OUT/ab_attention.json/.csv hold every round's times.
 """
 from __future__ import annotations
 
@@ -26,15 +27,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_kernels import attention_sets, n_sets  # noqa: E402
+from bench_kernels import attention_sets, copy_same_calls, n_sets  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 
 
 @triton.jit
 def _stream_read_kernel(K, V, OUT, n_keys, per_split, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """Floor probe: program p reads K and V rows of key blocks [p * per_split, (p + 1) * per_split)
-    (the split kernel's ranges and tiles, through the same software pipeline) and writes one sum:
-    the attention split without Q, without the softmax, without partials and without a combine."""
+    (the split kernel's ranges and tiles, a plain loop at the split's stage count) and writes one
+    sum. Session 14 measured it slower than the split itself: a lower bound it is not; ``copy`` is."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(n_keys, BLOCK_N)
     b0 = pid * per_split
@@ -51,20 +52,14 @@ def probe_calls(name, data, n_keys, d):
     """Calls of a floor probe over the same rotating sets: ``copy`` (torch copies the valid K rows
     into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
     with one / two programs per SM)."""
-    calls = []
+    if name == "copy":
+        return copy_same_calls(data, n_keys)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
-    for q, k, v, s, sp, o in data:
-        if name == "copy":
-            dst = torch.empty_like(k[:, :n_keys])
-            calls.append(lambda dst=dst, k=k: dst.copy_(k[:, :n_keys]))
-        else:
-            grid = sms * (2 if name == "read2" else 1)
-            per = triton.cdiv(triton.cdiv(n_keys, A.BLOCK_N), grid)
-            out = torch.empty(grid, device=k.device)
-            calls.append(lambda k=k, v=v, out=out, grid=grid, per=per: _stream_read_kernel[(grid,)](
-                k, v, out, n_keys, per, BLOCK_N=A.BLOCK_N, D=d, num_warps=A.NUM_WARPS,
-                num_stages=A.NUM_STAGES))
-    return calls
+    grid = sms * (2 if name == "read2" else 1)
+    per = triton.cdiv(triton.cdiv(n_keys, A.BLOCK_N), grid)
+    return [(lambda k=k, v=v, out=torch.empty(grid, device=k.device): _stream_read_kernel[(grid,)](
+        k, v, out, n_keys, per, BLOCK_N=A.BLOCK_N, D=d, num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES))
+        for _, k, v, _, _, _ in data]
 
 
 # Floor probes (not attention): what reading these bytes costs in one call, timed the same way.

@@ -137,6 +137,12 @@ def attention_sets(sets, w, nh, nkv, d, cap, start, n_keys):
     return data
 
 
+def copy_same_calls(data, n_keys):
+    """What moving an attention call's bytes costs in one call: per input set of ``attention_sets``,
+    torch copies the n_keys valid K rows into a scratch buffer (read + write = the KV bytes)."""
+    return [(lambda o=torch.empty_like(k[:, :n_keys]), k=k: o.copy_(k[:, :n_keys])) for _, k, _, _, _, _ in data]
+
+
 def bench_attention(copy_bw, l2, sweep):
     nh, nkv, d, window = ATTN["nh"], ATTN["nkv"], ATTN["d"], ATTN["window"]
     slots = window + 64
@@ -199,12 +205,7 @@ def bench_attention(copy_bw, l2, sweep):
                     ring=mode == "ring", dtype=torch.float32))
                 for q, k, v, s, _, _ in data[:2]]
             shape = (f"full{_k(ctx)}_w{w}" if mode == "full" else f"ring{_k(window)}_w{w}")
-            # What moving these bytes costs in one call, timed the same way: torch copies the valid
-            # K rows of every set into a scratch buffer (read + write = the KV bytes).
-            scratch = [torch.empty_like(k[:, :n_keys]) for _, k, _, _, _, _ in data]
-            copy_us = graph_time([(lambda o=o, k=k: o.copy_(k[:, :n_keys]))
-                                  for o, (_, k, _, _, _, _) in zip(scratch, data)])[0] * 1e6
-            del scratch
+            copy_us = graph_time(copy_same_calls(data, n_keys))[0] * 1e6
             for name, cfg in configs:
                 long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
                 if name in long_only:
@@ -435,10 +436,9 @@ def bench_router(copy_bw, l2, sweep):
 # ----------------------------------------------------------------------------------- linear
 def bench_linear(copy_bw, l2, sweep):
     """The decode projections (q1 rank: fused Q/K/V 6144 -> 1024, output 768 -> 6144, w = 6):
-    skinny_linear against torch matmul (cuBLAS) captured in a graph, alone (nothing to overlap: the
-    PDL prefetch cannot help) and behind the fused add + RMSNorm that precedes them in the step
-    ("after_norm": the pair's time; the norm releases the projection at its start, which then streams
-    its weight into L2 while the norm runs). Bytes: the weight, x and y."""
+    skinny_linear against torch matmul (cuBLAS) captured in a graph, alone and behind the fused
+    add + RMSNorm that precedes them in the step ("after_norm": the pair's time; the norm releases
+    the projection at its start, so it launches while the norm runs). Bytes: the weight, x and y."""
     H = MOE["H"]
     w = 6
     for K, n_out, name in ((H, 1024 if not DRY_RUN else 512, "qkv"), (768 if not DRY_RUN else 256, H, "o_proj")):

@@ -60,6 +60,7 @@ from runtime.checkpoint import random_tensors  # noqa: E402
 from runtime.config import DraftConfig, SamplingConfig, TPConfig, load_model_config, make_shard  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.fast import FastModel  # noqa: E402
+from runtime.kernels.linear import skinny_linear  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from runtime.parallel import make_comm  # noqa: E402
 from runtime.speculative import DecodeState, Round  # noqa: E402
@@ -219,9 +220,10 @@ def _model_variant(rnd: Round, **attrs) -> None:
     rnd.model = m
 
 
-def _skinny(**kw):
-    from runtime.kernels import linear as _lin
-    return lambda m: (lambda x, w: _lin.skinny_linear(x, w, counter=m._linear_counter, **kw))
+def _skinny(rnd: Round, **kw) -> None:
+    """rnd's model with its projections on skinny_linear called with keywords ``kw``."""
+    m = rnd.model
+    _model_variant(rnd, _proj=lambda x, w: skinny_linear(x, w, counter=m._linear_counter, **kw))
 
 
 # Same-run A/B of the fast step's graph (--ab NAME): NAME's change applied to a second Round.
@@ -232,10 +234,11 @@ AB_VARIANTS = {
     # the Q/K/V and output projections on torch matmul (cuBLAS) instead of skinny_linear
     "cublas_linear": lambda rnd: setattr(rnd, "model", FastModel.from_model(
         rnd.model, kernels=dataclasses.replace(rnd.model.kernels, linear="reference"))),
-    # skinny_linear launched plainly (no early launch, no weight prefetch)
-    "linear_no_pdl": lambda rnd: _model_variant(rnd, _proj=_skinny(pdl=False)(rnd.model)),
-    # skinny_linear launched early but without the weight prefetch before its wait
-    "linear_no_prefetch": lambda rnd: _model_variant(rnd, _proj=_skinny(prefetch=False)(rnd.model)),
+    # skinny_linear launched plainly (no early launch)
+    "linear_no_pdl": lambda rnd: _skinny(rnd, pdl=False),
+    # skinny_linear with the L2 prefetch of its weight before its wait (session 14: slower, off by
+    # default; call 4 measured its absence as "linear_no_prefetch" when it was on)
+    "linear_prefetch": lambda rnd: _skinny(rnd, prefetch=True),
     # the router and Gate/Up launched plainly (not programmatic dependents of the norm / the router)
     "router_gu_plain": lambda rnd: _model_variant(rnd, moe_pdl=False, _moe_options={**rnd.model._moe_options,
                                                                                     "gu_pdl": False}),

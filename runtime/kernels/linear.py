@@ -11,7 +11,8 @@ predecessor's output x only before reading it. In the q1 step's graph that is 1.
 faster than cuBLAS (same-run A/B, ``bench_step.py --ab cublas_linear``, session 14); launched
 plainly it is no faster than cuBLAS. Option ``prefetch``: ask L2 for the whole weight tile before the
 wait (the weights do not depend on the step; a prefetch returns no data, so nothing stale can be
-read). Measured slower in the step (0.6-1.2 %, ``--ab linear_no_prefetch``), so off by default.
+read). Measured slower in the step (0.6-1.2 %, session 14 call 4), so off by default
+(``bench_step.py --ab linear_prefetch`` measures it against the default).
 
 Algorithm (``_linear_kernel``, grid (N / BLOCK_N, SPLIT_K))
 ----------------------------------------------------------
