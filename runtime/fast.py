@@ -13,7 +13,7 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
                                                runs (kernels.linear)
     q, k = RoPE(q, k); cache[slots] <- k, v    rope_kv_write: one kernel (angles in float64 on the
                                                host side of the pass, as the reference; ring: slot
-                                               p % R, labels too)
+                                               p % R from the positions, labels too)
     o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
     h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16); Wo: skinny_linear
     ids, weights = route_topk(h, router, 8)    FP32 router logits from the BF16 input, top 8,
@@ -25,7 +25,7 @@ so each residual add is fused with the norm that follows it (the reference's ``b
 ``x + attn(norm(x))`` then ``x + moe(norm(x))``: same values, rounded the same way, since the kernel
 rounds r to BF16 before normalising the stored value). The first norm of a pass, the MTP layer's
 ``enorm``/``hnorm`` (written straight into the halves of the EH input) and the LM-head norm use the
-same kernel with a zero residual. ``start_pos`` is a device tensor (the rows' positions are
+same kernel with a zero residual that it neither reads nor writes (``rmsnorm``). ``start_pos`` is a device tensor (the rows' positions are
 consecutive by construction of the round), so no pass reads anything on the host.
 
 Sampling: :meth:`FastModel.sample_rows` is the hook :class:`~runtime.speculative.Round` uses for the
@@ -199,6 +199,16 @@ class FastModel(Model):
             raise ValueError(f"broken={broken!r} breaks the {_BROKEN_PIECE[broken]} kernel, which "
                              f"kernels.{_BROKEN_PIECE[broken]}=reference does not run")
         self.broken = broken
+        # The pass's glue in the kernels: RoPE's tables in one launch per pass (rope_tables), a ring's
+        # slots computed inside rope_kv_write, norms without a zero residual tensor (about 70 torch
+        # launches fewer per q1 step). False restores the torch glue (bench_step.py --ab torch_glue;
+        # the same values).
+        self.fused_glue = True
+        # RoPE's cos / sin tables computed inside rope_kv_write (FP64 libdevice cos / sin per program)
+        # instead of once per pass in torch: the same values, but off by default (session 15, call 2:
+        # with it the step was 0.3 % slower: the per-layer FP64 trig outweighs the saved launches;
+        # bench_step.py --ab kernel_rope_tables)
+        self.rope_tables_in_kernel = False
         cfg, sh, dev = self.cfg, self.shard, self.device
         d = cfg.head_dim
         self._inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d)
@@ -250,15 +260,25 @@ class FastModel(Model):
             return out
         return _norm.fused_add_rmsnorm(x, r, w, eps, out, out16=out16)
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm(x) * w in BF16 through the fused kernel with a zero residual (x rounded to BF16
-        first, as the reference's ``rms_norm`` of a BF16 tensor)."""
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+              x_out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x) * w in BF16 (x rounded to BF16 first, as the reference's ``rms_norm`` of a BF16
+        tensor): the norm kernel with no residual (``rmsnorm``), or the add-norm with a zero one
+        (kernels.norm=reference, or ``fused_glue`` off). ``x_out``: also receives x's BF16 values."""
         x = x.to(_BF16).contiguous()
+        if self.kernels.norm == "fast" and self.fused_glue:
+            return _norm.rmsnorm(x, w, self.cfg.rms_norm_eps, out, x_out=x_out)
         res = torch.zeros_like(x)
-        return self._add_norm(x, res, w, self.cfg.rms_norm_eps, out)
+        out = self._add_norm(x, res, w, self.cfg.rms_norm_eps, out)
+        if x_out is not None:
+            x_out.copy_(res)
+        return out
 
     def _rope_tables(self, positions: torch.Tensor):
-        """cos/sin [T, 1, d] (both halves) of the reference's RoPE, once per pass."""
+        """cos/sin [T, 1, d] (both halves) of the reference's RoPE, once per pass: one launch
+        (``rope_tables``, the same values) with fast attention and ``fused_glue``, torch otherwise."""
+        if self.kernels.attention == "fast" and self.fused_glue:
+            return _rope.rope_tables(positions, self._inv_freq)
         ang = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
         cos, sin = ang.cos().float(), ang.sin().float()
         return torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
@@ -314,15 +334,22 @@ class FastModel(Model):
         # while the attention runs: session 14, call 9, the step 0.6-0.8 % slower with it)
         opts = self._attn_options
         # RoPE of q and k + the K/V cache write: one kernel (the reference's operations, exactly)
+        # (the kernel computes a ring's slots with fused_glue, the tables with rope_tables_in_kernel)
+        rope = (dict(cos2=tab["cos"], sin2=tab["sin"]) if "cos" in tab
+                else dict(cos2=None, sin2=None, inv_freq=self._inv_freq))
         if cache.kind == "full":
-            q = _rope.rope_kv_write(qkv, tab["cos"], tab["sin"], nh, nkv, cache.k, cache.v, positions)
+            q = _rope.rope_kv_write(qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, slots=positions,
+                                    positions=positions, **rope)
             _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o, **opts)
         else:
-            slots = tab.get(("slots", cache.slots))
-            if slots is None:
-                slots = tab[("slots", cache.slots)] = positions % cache.slots
-            q = _rope.rope_kv_write(qkv, tab["cos"], tab["sin"], nh, nkv, cache.k, cache.v, slots,
-                                    labels=cache.labels, positions=positions)
+            ring = dict(slots=None, ring_slots=cache.slots)
+            if not self.fused_glue:
+                slots = tab.get(("slots", cache.slots))
+                if slots is None:
+                    slots = tab[("slots", cache.slots)] = positions % cache.slots
+                ring = dict(slots=slots)
+            q = _rope.rope_kv_write(qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, labels=cache.labels,
+                                    positions=positions, **ring, **rope)
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
         out = self._proj(o.view(T, nh * d), lw.wo)
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
@@ -338,10 +365,14 @@ class FastModel(Model):
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
 
     def _tables(self, positions: torch.Tensor) -> dict:
+        """A pass's shared inputs: start_pos, and RoPE's cos / sin tables (unless rope_kv_write computes
+        them: ``rope_tables_in_kernel``, fast attention only)."""
         if positions.shape[0] > MAX_DECODE_ROWS:
             raise ValueError(f"a decode pass takes at most {MAX_DECODE_ROWS} rows, got {positions.shape[0]}")
-        cos2, sin2 = self._rope_tables(positions)
-        return {"cos": cos2, "sin": sin2, "start": positions[:1]}
+        tab = {"start": positions[:1]}
+        if self.kernels.attention == "reference" or not self.rope_tables_in_kernel:
+            tab["cos"], tab["sin"] = self._rope_tables(positions)
+        return tab
 
     def _layers_fast(self, layers: list[LayerWeights], caches: list[KVCache], r: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
@@ -349,8 +380,8 @@ class FastModel(Model):
         eps, add_norm = self.cfg.rms_norm_eps, self._add_norm
         tab = self._tables(positions)
         x = r
-        r = torch.zeros_like(x)
-        h = add_norm(x, r, layers[0].ln1, eps)           # r = x, h = norm(x)
+        r = torch.empty_like(x)
+        h = self._norm(x, layers[0].ln1, x_out=r)        # r = x, h = norm(x)
         # the MoE kernel's input as FP16 (the same values), written by the norm before it
         h16 = None if self.kernels.moe == "reference" else torch.empty(x.shape, dtype=torch.float16,
                                                                           device=x.device)

@@ -262,7 +262,7 @@ def test_interpreted_rank_emulation_q1_shapes(interp):
 # --------------------------------------------- per-kernel selection (runtime.kernels), CPU tests
 PIECE_ENTRY_POINTS = {"attention": ("_attn", ("decode_attention_full", "decode_attention_ring")),
                       "moe": ("_moe", ("fused_moe_fp8",)),
-                      "norm": ("_norm", ("fused_add_rmsnorm",)),
+                      "norm": ("_norm", ("fused_add_rmsnorm", "rmsnorm")),
                       "sampler": ("_sampler", ("sample_topk_topp",)),
                       "linear": ("_linear", ("skinny_linear",))}
 
@@ -421,6 +421,54 @@ def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast
             assert spy.count(other) == spy_fast.count(other) > 0, other
     if piece == "attention":                    # both layer kinds ran through the kernel when fast
         assert spy_fast.calls["decode_attention_full"] and spy_fast.calls["decode_attention_ring"]
+
+
+GLUE_ARMS = {"default": (True, False), "in_kernel": (True, True), "torch": (False, False),
+             "perturbed": (True, True)}   # (fused_glue, rope_tables_in_kernel)
+
+
+def glue_arms(t, perturb: float = 0.0):
+    """(verify logits, MTP output, rope_kv_write keywords) of the restored tiny state per GLUE_ARMS
+    arm; the perturbed arm has inv_freq scaled by (1 + perturb)."""
+    import runtime.fast as fastmod
+    from runtime.fast import FastModel
+
+    out = {}
+    real = fastmod._rope.rope_kv_write
+    for arm, (glue, in_kernel) in GLUE_ARMS.items():
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastmod._rope, "rope_kv_write", lambda *a, **k: calls.append(k) or real(*a, **k))
+            fm = FastModel.from_model(t["bf16"])
+            fm.fused_glue, fm.rope_tables_in_kernel = glue, in_kernel
+            if arm == "perturbed":
+                fm._inv_freq = fm._inv_freq * (1 + perturb)
+            st, cache = t["st"], t["cache"]
+            logits = verify_logits(fm, cache, st, 8)
+            pos = st.start + 1 + torch.arange(4)
+            with torch.no_grad():
+                g = fm.mtp_forward(torch.randn(4, t["cfg"].hidden_size, generator=torch.Generator().manual_seed(1))
+                                   .to(torch.bfloat16), st.tokens[:4], pos, copy.deepcopy(cache), "decode")
+            out[arm] = (logits, g, calls)
+    return out
+
+
+@cpu_only
+def test_interpreted_fused_glue_changes_no_value(tiny_restored):
+    """FastModel.fused_glue (RoPE tables in one launch, ring slots inside rope_kv_write, norms without a
+    zero residual tensor), with and without rope_tables_in_kernel, against the torch glue: the same
+    verify logits and MTP output, bit for bit, over both layer kinds; rope_kv_write gets tables by
+    default, inv_freq in the in-kernel arm, the ring size (no slots) with the glue. Negative control:
+    inv_freq scaled by 1 + 1e-3 changes the logits (the comparison sees the tables)."""
+    arms = glue_arms(tiny_restored, perturb=1e-3)
+    lt, gt, rope_t = arms["torch"]
+    for arm in ("default", "in_kernel"):
+        assert torch.equal(arms[arm][0], lt) and torch.equal(arms[arm][1], gt), arm
+    assert not torch.equal(arms["perturbed"][0], lt)
+    rope_d, rope_k = arms["default"][2], arms["in_kernel"][2]
+    assert rope_d and all(k.get("inv_freq") is None and k.get("cos2") is not None for k in rope_d)
+    assert rope_k and all(k.get("inv_freq") is not None and k.get("cos2") is None for k in rope_k)
+    assert any(k.get("ring_slots") for k in rope_d) and not any(k.get("ring_slots") for k in rope_t)
 
 
 @cpu_only
@@ -645,6 +693,45 @@ def test_gpu_fast_step_is_graph_capturable(mini_pair):
         torch.cuda.synchronize()
     for f in dataclasses.fields(st):
         assert torch.equal(getattr(st, f.name), getattr(eager, f.name)), f.name
+
+
+@pytest.mark.gpu
+def test_gpu_fused_glue_changes_no_value(mini_pair):
+    """q1-mini on the GPU: one whole step (verify, five drafts) in each GLUE_ARMS arm from the same
+    restored state: the default glue and the in-kernel tables end in the torch glue's state and cache,
+    bit for bit (rope_tables / the kernel's FP64 cos / sin are torch's); with inv_freq scaled by
+    1 + 1e-3 (negative control) the cache rows differ."""
+    _, eng = mini_pair
+    rnd, st = eng.start(code_prompt(3), 0, 32)
+    fast = rnd.model
+    w = st.width()
+    st0, cache0 = clone_state(st), copy.deepcopy(rnd.cache)
+    inv = fast._inv_freq
+    ends = {}
+    try:
+        for arm, (glue, in_kernel) in GLUE_ARMS.items():
+            for f in dataclasses.fields(st):
+                getattr(st, f.name).copy_(getattr(st0, f.name))
+            copy_caches(rnd.cache, cache0)
+            fast.fused_glue, fast.rope_tables_in_kernel = glue, in_kernel
+            fast._inv_freq = inv * (1 + 1e-3) if arm == "perturbed" else inv
+            with torch.no_grad():
+                rnd.verify(st, w)
+                rnd.draft_first(st, w)
+                for k in range(2, 6):
+                    rnd.draft_next(st, k)
+            torch.cuda.synchronize()
+            ends[arm] = (clone_state(st), copy.deepcopy(rnd.cache))
+    finally:
+        fast.fused_glue, fast.rope_tables_in_kernel, fast._inv_freq = True, False, inv
+    s_t, ct = ends["torch"]
+    for arm in ("default", "in_kernel"):
+        sf, cf = ends[arm]
+        for f in dataclasses.fields(st):
+            assert torch.equal(getattr(sf, f.name), getattr(s_t, f.name)), (arm, f.name)
+        for a, b in zip(cf.layers, ct.layers):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v), arm
+    assert any(not torch.equal(a.k, b.k) for a, b in zip(ends["perturbed"][1].layers, ct.layers))
 
 
 @pytest.mark.gpu

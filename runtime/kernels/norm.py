@@ -11,6 +11,9 @@ out = r * rsqrt(ss / H + eps) * weight, written in BF16, and optionally the same
 on every tile: it reads this copy instead). Under tensor parallelism the all-reduce of x comes before
 this kernel (the lead's fused path may replace it).
 
+``rmsnorm`` is the same kernel with a zero residual that it neither reads nor writes (a pass's first
+norm, the MTP layer's input norms, the LM head's norm).
+
 Programmatic dependent launch (``PDL``, sm_90+ CUDA): the kernel releases its own dependent at its
 start (the next kernel, a projection or the router, launches while this one runs) and waits
 (griddepcontrol.wait) for its predecessor before reading anything.
@@ -35,7 +38,8 @@ PDL = True
 def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, stride_x, stride_r, stride_o, stride_o16, eps,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr,
                         HAS16: tl.constexpr = False, ROUND16_BUG: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, LOAD_RES: tl.constexpr = True,
+                        STORE_RES: tl.constexpr = True):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()   # the predecessor's x and residual are complete and visible from here
@@ -44,8 +48,12 @@ def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, stride_x, stride_r, stride_o, st
     ok = offs < H
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     res_ptr = RES + row * stride_r + offs
-    r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + x).to(RES.dtype.element_ty)
-    tl.store(res_ptr, r, mask=ok)
+    if LOAD_RES:
+        r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + x).to(RES.dtype.element_ty)
+    else:   # a zero residual: x rounded to the stream's dtype (the reference's norm of that tensor)
+        r = x.to(RES.dtype.element_ty)
+    if STORE_RES:
+        tl.store(res_ptr, r, mask=ok)
     r = r.to(tl.float32)
     if NORM_BUG:
         ss = tl.sum(x * x, 0)
@@ -94,6 +102,34 @@ def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=Non
         out16.stride(0) if has16 else 0, float(eps),
         H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug), PDL=use_pdl,
         num_warps=NUM_WARPS if block_h >= 4096 else 4, **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return out
+
+
+def rmsnorm(x, weight, eps, out=None, *, x_out=None, pdl=None, _stale_bug=False):
+    """out = RMSNorm(x) * weight in BF16 (x rounded to BF16 first), with no residual: the kernel of
+    ``fused_add_rmsnorm`` with a zero residual that it neither reads nor writes (no zero tensor to
+    fill). ``x_out`` [w, H] BF16 (optional) also receives x's BF16 values (a residual stream's start).
+    x [w, H] BF16 (an FP32 x is rounded by the caller: the interpreter's conversion truncates).
+    ``_stale_bug``: the tests' negative control (the kernel adds what ``x_out`` held before the call)."""
+    check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [w, H] bf16, contiguous rows")
+    w, H = x.shape
+    check(weight.shape == (H,) and weight.stride(0) == 1 and weight.device == x.device, "weight [H]")
+    if out is None:
+        out = torch.empty((w, H), device=x.device, dtype=torch.bfloat16)
+    check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
+    if x_out is not None:
+        check(x_out.shape == (w, H) and x_out.stride(1) == 1 and x_out.dtype == torch.bfloat16
+              and x_out.device == x.device, "x_out [w, H] bf16")
+    block_h = next_pow2(H)
+    check(block_h <= 32768, "H <= 32768")
+    use_pdl = pdl_supported(x.device) and (PDL if pdl is None else bool(pdl))
+    res = x if x_out is None else x_out
+    _add_rmsnorm_kernel[(w,)](
+        x, res, weight, out, out, x.stride(0), res.stride(0), out.stride(0), 0, float(eps),
+        H=H, BLOCK_H=block_h, NORM_BUG=False, HAS16=False, PDL=use_pdl, LOAD_RES=bool(_stale_bug),
+        STORE_RES=x_out is not None, num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 

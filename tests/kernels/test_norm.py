@@ -3,7 +3,9 @@
 The residual written back must equal the residual sum rounded to its dtype (exactly on the GPU;
 within one BF16 step in the interpreter, whose FP32->BF16 conversion truncates); the normalised
 output is checked by the max per-row relative error. Negative control: normalising by the RMS of
-x instead of the RMS of the sum must fail the same check.
+x instead of the RMS of the sum must fail the same check. ``rmsnorm`` (no residual): the output
+against the reference with a zero residual, ``x_out`` exactly x; negative control: a kernel that adds
+the (poisoned) old contents of ``x_out``.
 """
 from __future__ import annotations
 
@@ -102,3 +104,33 @@ def test_gpu_out16_is_the_bf16_output(w, H):
 @cpu_only
 def test_interp_out16_is_the_bf16_output():
     _check_out16(load_kernels("norm"), 6, 256, seed=3)
+
+
+def _rmsnorm_ok(Nm, w, H, seed, **kw):
+    """rmsnorm's output within TOL of the FP64 reference (zero residual) and x_out exactly x, both
+    written over NaN."""
+    dev = torch.device("cuda" if HAS_CUDA else "cpu")
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(w, H, generator=g) * 3).to(torch.bfloat16).to(dev)
+    wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(dev)
+    _, n_ref = Nm.add_rmsnorm_reference(x, torch.zeros_like(x), wt, 1e-6)
+    out = torch.full((w, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    x_out = torch.full_like(out, float("nan"))
+    Nm.rmsnorm(x, wt, 1e-6, out, x_out=x_out, **kw)
+    out2 = Nm.rmsnorm(x, wt, 1e-6)                # without x_out: the same output
+    return bool(max_row_rel_err(out, n_ref) < TOL and torch.equal(x_out, x) and torch.equal(out2, out))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w,H", [(1, 6144), (6, 6144), (8, 256)])
+def test_gpu_rmsnorm(w, H):
+    Nm = load_kernels("norm")
+    assert _rmsnorm_ok(Nm, w, H, seed=w + H)
+    assert not _rmsnorm_ok(Nm, w, H, seed=w + H, _stale_bug=True)
+
+
+@cpu_only
+def test_interp_rmsnorm():
+    Nm = load_kernels("norm")
+    assert _rmsnorm_ok(Nm, 6, 256, seed=5)
+    assert not _rmsnorm_ok(Nm, 6, 256, seed=5, _stale_bug=True)

@@ -22,14 +22,17 @@ def _dev():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-def run_case(R, shape, T, start, slots, ring, seed, **kw):
-    """(q, reference q, k rows, reference k, v rows, v, labels ok, untouched ok)."""
+def run_case(R, shape, T, start, slots, ring, seed, in_kernel=False, **kw):
+    """(q, reference q, k rows, reference k, v rows, v, labels ok, untouched ok). ``in_kernel``: the
+    kernel computes the tables from the positions and inv_freq (and a ring's slots from the ring
+    size) instead of reading the torch tables and slots."""
     nh, nkv, d = shape["nh"], shape["nkv"], shape["d"]
     dev = _dev()
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g).to(torch.bfloat16).to(dev)
     pos = torch.arange(start, start + T, device=dev)
-    ang = pos.double()[:, None] * (10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=dev) / d))[None]
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=dev) / d)
+    ang = pos.double()[:, None] * inv_freq[None]
     cos, sin = ang.cos().float(), ang.sin().float()
     cos2, sin2 = torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
     kc = torch.full((nkv, slots, d), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -37,7 +40,12 @@ def run_case(R, shape, T, start, slots, ring, seed, **kw):
     sl = pos % slots if ring else pos
     labels = torch.full((slots,), -1, dtype=torch.int64, device=dev) if ring else None
     q = torch.full((T, nh, d), float("nan"), dtype=torch.bfloat16, device=dev)
-    R.rope_kv_write(qkv, cos2, sin2, nh, nkv, kc, vc, sl, q, labels=labels, positions=pos if ring else None, **kw)
+    if in_kernel:
+        R.rope_kv_write(qkv, None, None, nh, nkv, kc, vc, None if ring else pos, q, labels=labels, positions=pos,
+                        inv_freq=inv_freq, ring_slots=slots if ring else None, **kw)
+    else:
+        R.rope_kv_write(qkv, cos2, sin2, nh, nkv, kc, vc, sl, q, labels=labels, positions=pos if ring else None,
+                        **kw)
     from runtime.fast import FastModel   # the fast step's torch RoPE (its reference-attention path)
 
     ref = FastModel._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), cos2, sin2)
@@ -66,29 +74,71 @@ def passes(res, exact):
 @pytest.mark.parametrize("T", [4, 6, 8])
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
-def test_gpu(T, ring, shape):
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["tables", "angles"])
+def test_gpu(T, ring, shape, in_kernel):
     R = load_kernels("rope")
-    for start in (0, 4157, 70001):
+    for start in (0, 4157, 70001, 1_000_003):
         slots = 4160 if ring else start + T + 64
-        assert passes(run_case(R, shape, T, start, slots, ring, seed=start + T), exact=True)
+        assert passes(run_case(R, shape, T, start, slots, ring, seed=start + T, in_kernel=in_kernel), exact=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bug", ["_rope_bug", "_slot_bug"])
+@pytest.mark.parametrize("bug", ["_rope_bug", "_slot_bug", "_angle_bug"])
 def test_gpu_negative_controls(bug):
     R = load_kernels("rope")
-    assert not passes(run_case(R, Q1, 6, 4157, 4160, True, seed=1, **{bug: True}), exact=True)
+    assert not passes(run_case(R, Q1, 6, 70001, 4160, True, seed=1, in_kernel=True, **{bug: True}), exact=True)
+    if bug != "_angle_bug":
+        assert not passes(run_case(R, Q1, 6, 4157, 4160, True, seed=1, **{bug: True}), exact=True)
 
 
 @cpu_only
 @pytest.mark.parametrize("ring,start", [(False, 300), (True, 1000)])
-def test_interp(ring, start):
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["tables", "angles"])
+def test_interp(ring, start, in_kernel):
     R = load_kernels("rope")
-    assert passes(run_case(R, MINI, 6, start, 576 if ring else start + 70, ring, seed=start), exact=False)
+    assert passes(run_case(R, MINI, 6, start, 576 if ring else start + 70, ring, seed=start, in_kernel=in_kernel),
+                  exact=False)
 
 
 @cpu_only
-@pytest.mark.parametrize("bug", ["_rope_bug", "_slot_bug"])
+@pytest.mark.parametrize("bug", ["_rope_bug", "_slot_bug", "_angle_bug"])
 def test_interp_negative_controls(bug):
     R = load_kernels("rope")
-    assert not passes(run_case(R, MINI, 6, 1000, 576, True, seed=2, **{bug: True}), exact=False)
+    # (at position ~3e6 an FP32 angle is off by up to ~0.1 rad: far past one BF16 step)
+    start = 3_000_017 if bug == "_angle_bug" else 1000
+    assert not passes(run_case(R, MINI, 6, start, 576, True, seed=2, in_kernel=True, **{bug: True}), exact=False)
+
+
+def _tables_case(R, d, start, **kw):
+    dev = _dev()
+    pos = torch.arange(start, start + 8, device=dev)
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=dev) / d)
+    ang = pos.double()[:, None] * inv_freq[None]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    c2, s2 = R.rope_tables(pos, inv_freq, **kw)
+    return c2, s2, torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start", [0, 4157, 70001, 1_000_003])
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_tables(start, d):
+    """rope_tables equals torch's FP64 tables rounded to FP32, bit for bit; the FP32-angle negative
+    control does not (checked where its angle error shows: past a few thousand)."""
+    R = load_kernels("rope")
+    c2, s2, c_ref, s_ref = _tables_case(R, d, start)
+    assert torch.equal(c2, c_ref) and torch.equal(s2, s_ref)
+    if start > 4000:
+        c2b, s2b, _, _ = _tables_case(R, d, start, _angle_bug=True)
+        assert not (torch.equal(c2b, c_ref) and torch.equal(s2b, s_ref))
+
+
+@cpu_only
+def test_interp_tables():
+    """In the interpreter (NumPy's FP64 cos / sin): within one FP32 ulp of torch's; the negative
+    control (FP32 angle) far from them at position ~3e6."""
+    R = load_kernels("rope")
+    for start, bug, ok in ((300, False, True), (3_000_017, True, False)):
+        c2, s2, c_ref, s_ref = _tables_case(R, 64, start, _angle_bug=bug)
+        err = max((c2 - c_ref).abs().max().item(), (s2 - s_ref).abs().max().item())
+        assert (err <= 2.0 ** -23) == ok, (start, err)
