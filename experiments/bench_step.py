@@ -245,9 +245,13 @@ AB_VARIANTS = {
     # the attention combine releases the output projection at its start (attention option release_next)
     "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                      "release_next": True}),
-    # the pass's glue in torch: RoPE tables (eight launches per pass) and ring slots as torch launches,
-    # norms with a zero residual tensor (FastModel.fused_glue off)
+    # the pass's glue in torch: RoPE tables (eight launches per pass), ring slots, the embedding gather
+    # as torch launches, norms with a zero residual tensor (FastModel.fused_glue off; it also turns the
+    # one-launch draft update off)
     "torch_glue": lambda rnd: _model_variant(rnd, fused_glue=False),
+    # each draft depth's state update as Round's torch sequence on sample_rows (about twenty launches)
+    # instead of FastModel.take_draft (the sampler's kernel, then one launch)
+    "torch_draft_update": lambda rnd: setattr(rnd, "_take_draft_hook", None),
     # RoPE's tables computed in every rope_kv_write program (FP64 cos / sin) instead of once per pass
     # in torch (session 15, call 2: 0.3 % slower together with the glue above; off by default)
     "kernel_rope_tables": lambda rnd: _model_variant(rnd, rope_tables_in_kernel=True),

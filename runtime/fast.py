@@ -64,8 +64,9 @@ import os
 import torch
 
 from . import rng
-from .config import ConfigError, KernelsConfig, ModelConfig, SamplingConfig, Shard
+from .config import ConfigError, DraftConfig, KernelsConfig, ModelConfig, SamplingConfig, Shard
 from .kernels import attention as _attn
+from .kernels import draft as _draft
 from .kernels import linear as _linear
 from .kernels import moe as _moe
 from .kernels import norm as _norm
@@ -74,13 +75,14 @@ from .kernels import router as _router
 from .kernels import sampler as _sampler
 from .kernels import uniform as _uniform
 from .model import KVCache, LayerWeights, Model, ModelCache, attend_chunked, visible_keys, write_decode
+from .speculative import LOG_NEXT_DRAFTS, continue_decided
 from .sampling import draw, filter_dist
 
 MAX_DECODE_ROWS = 8
 _BF16 = torch.bfloat16
 # Negative controls for the tests: a FastModel with one deliberately broken kernel argument.
-BROKEN = ("drop_sinks", "moe_scale_bug")
-_BROKEN_PIECE = {"drop_sinks": "attention", "moe_scale_bug": "moe"}
+BROKEN = ("drop_sinks", "moe_scale_bug", "draft_logp_bug")
+_BROKEN_PIECE = {"drop_sinks": "attention", "moe_scale_bug": "moe", "draft_logp_bug": "sampler"}
 
 
 def _keyword_options(*fns, drop=()) -> list[str]:
@@ -143,7 +145,7 @@ def kernels_runnable(device: torch.device) -> str | None:
     if not isinstance(std.cdiv, interpreter.InterpretedFunction):
         return ("TRITON_INTERPRET=1 is set but triton was imported before it: its library functions "
                 "are compiled ones (set the variable before anything imports triton)")
-    mods = (_attn, _linear, _moe, _norm, _rope, _router, _sampler, _uniform)
+    mods = (_attn, _draft, _linear, _moe, _norm, _rope, _router, _sampler, _uniform)
     if any(not isinstance(f, interpreter.InterpretedFunction) for m in mods for f in _jitted(m)):
         return ("TRITON_INTERPRET=1 is set but runtime.kernels were imported before it: their "
                 "kernels are compiled ones, which cannot run on the CPU (re-import them after "
@@ -274,6 +276,21 @@ class FastModel(Model):
             x_out.copy_(res)
         return out
 
+    def _embed_norm(self, tokens: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                    x_out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(embed_tokens(tokens)) * w in BF16; ``x_out``: also the embeddings. One launch
+        (``rmsnorm`` gathering the rank's embedding rows) with the fused glue where no peer's rows are
+        needed (one rank, or rank emulation: the all-reduce is then still counted as excluded);
+        otherwise the reference's ``embed_tokens`` and the norm."""
+        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
+        if self.kernels.norm == "fast" and self.fused_glue and not peers:
+            out = _norm.rmsnorm(self.embed, w, self.cfg.rms_norm_eps, out, x_out=x_out, ids=tokens,
+                                vocab_start=self.shard.vocab_start, vocab_size=self.shard.vocab_size)
+            if self.shard.tp_size > 1:      # the all-reduce the reference's embed_tokens does (a no-op
+                self.comm.all_reduce(out)   # here: emulation counts its bytes, [T, H] BF16 like e)
+            return out
+        return self._norm(self.embed_tokens(tokens), w, out, x_out=x_out)
+
     def _rope_tables(self, positions: torch.Tensor):
         """cos/sin [T, 1, d] (both halves) of the reference's RoPE, once per pass: one launch
         (``rope_tables``, the same values) with fast attention and ``fused_glue``, torch otherwise."""
@@ -374,17 +391,22 @@ class FastModel(Model):
             tab["cos"], tab["sin"] = self._rope_tables(positions)
         return tab
 
-    def _layers_fast(self, layers: list[LayerWeights], caches: list[KVCache], r: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
-        """Decode layers from the input r (BF16 [T, H]); returns the residual stream after them."""
+    def _layers_fast(self, layers: list[LayerWeights], caches: list[KVCache], r: torch.Tensor | None,
+                     positions: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode layers from the input r (BF16 [T, H]), or from the embeddings of ``tokens`` (r None);
+        returns the residual stream after them."""
         eps, add_norm = self.cfg.rms_norm_eps, self._add_norm
         tab = self._tables(positions)
-        x = r
-        r = torch.empty_like(x)
-        h = self._norm(x, layers[0].ln1, x_out=r)        # r = x, h = norm(x)
+        if r is None:        # r = embed(tokens), h = norm(r): one launch with the fused glue
+            r = torch.empty(tokens.shape[0], self.cfg.hidden_size, dtype=_BF16, device=self.device)
+            h = self._embed_norm(tokens, layers[0].ln1, x_out=r)
+        else:
+            x = r
+            r = torch.empty_like(x)
+            h = self._norm(x, layers[0].ln1, x_out=r)    # r = x, h = norm(x)
         # the MoE kernel's input as FP16 (the same values), written by the norm before it
-        h16 = None if self.kernels.moe == "reference" else torch.empty(x.shape, dtype=torch.float16,
-                                                                          device=x.device)
+        h16 = None if self.kernels.moe == "reference" else torch.empty(r.shape, dtype=torch.float16,
+                                                                          device=r.device)
         for i, (lw, c) in enumerate(zip(layers, caches)):
             a = self._attention_fast(lw, h, positions, c, tab)
             h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention
@@ -400,8 +422,7 @@ class FastModel(Model):
                 mode: str = "decode") -> torch.Tensor:
         if mode != "decode":
             return super().forward(tokens, positions, cache, mode)
-        x = self.embed_tokens(tokens).to(_BF16).contiguous()
-        return self._layers_fast(self.layers, cache.layers, x, positions)
+        return self._layers_fast(self.layers, cache.layers, None, positions, tokens=tokens)
 
     def mtp_forward(self, hidden_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                     cache: ModelCache, mode: str = "decode", j: int = 0) -> torch.Tensor:
@@ -410,7 +431,7 @@ class FastModel(Model):
         m, H = self.mtp[j], self.cfg.hidden_size
         T = tokens.shape[0]
         eh_in = torch.empty(T, 2 * H, dtype=_BF16, device=self.device)
-        self._norm(self.embed_tokens(tokens), m.enorm, out=eh_in[:, :H])
+        self._embed_norm(tokens, m.enorm, out=eh_in[:, :H])
         self._norm(hidden_prev, m.hnorm, out=eh_in[:, H:])
         x = (eh_in @ m.eh.T).contiguous()
         return self._layers_fast([m.layer], [cache.mtp[j]], x, positions)
@@ -427,6 +448,27 @@ class FastModel(Model):
         if self.kernels.sampler == "reference":
             return rng.uniform(seed, positions, purpose, lane)
         return _uniform.uniform(seed, positions, purpose, lane)
+
+    def take_draft(self, st, logits: torch.Tensor, u: torch.Tensor, g: torch.Tensor, k: int,
+                   s: SamplingConfig, draft: DraftConfig) -> bool:
+        """Round's draft-update hook: with the fast sampler and the fused glue (and no peers), the
+        sampler's kernel on the draft row's logits, then one launch (``take_draft``) for the state
+        writes of Round._take_draft (tokens, proposal, g, log-probability, entropy, depth, log column,
+        the policy's decision); returns True. False (the round's torch sequence runs) otherwise."""
+        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
+        if self.kernels.sampler == "reference" or peers or not self.fused_glue or logits.shape[0] != 1:
+            return False
+        ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
+                                                         s.top_k, s.top_p)
+        decided = continue_decided(draft, k)
+        mode = _draft.CONT_RULE if decided is None else (_draft.CONT_ALWAYS if decided else _draft.CONT_NEVER)
+        r = draft.stop_rule
+        _draft.take_draft(st, ids, probs, tok, idx, g, k, mode, vocab_start=self.shard.vocab_start,
+                          log_prob_min=r.log_prob_min, entropy_max=r.entropy_max, log_col=LOG_NEXT_DRAFTS,
+                          _logp_bug=self.broken == "draft_logp_bug")
+        if self.comm.size > 1:
+            self.comm.all_gather(st.q_ids[k:k + 1])   # emulation: the candidate exchange, counted as excluded
+        return True
 
     def sample_rows(self, logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfig):
         """(ids [T, k] int64 global token ids, probs [T, k] fp32, token [T] int64, index [T] int64) of

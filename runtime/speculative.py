@@ -89,6 +89,18 @@ class DecodeState:
         return int(self.n_drafts) + 1
 
 
+def continue_decided(d: DraftConfig, k: int) -> bool | None:
+    """Whether depth k+1 runs when the depth bounds or the fixed policy decide it on the host; None
+    when the stop rule decides it on the device (Round._continue; the fast backend's draft update)."""
+    if k + 1 <= d.min_depth:
+        return True
+    if k + 1 > d.max_depth:
+        return False
+    if d.policy == "fixed":
+        return k + 1 <= d.fixed_depth
+    return None
+
+
 class Round:
     """The pieces of one speculative round over a model, its cache and the decode state."""
 
@@ -101,6 +113,10 @@ class Round:
         # Uniforms hook: ``uniform(seed, positions, purpose)`` with rng.uniform's bits (the fast
         # backend's one-launch kernel); rng.uniform otherwise.
         self._uniform = getattr(model, "uniform", None) or rng.uniform
+        # Draft-update hook: ``take_draft(st, logits, u, g, k, sampling, draft) -> bool`` does the
+        # sampling and the state update of _take_draft itself (the fast backend: its sampler, then one
+        # launch for the writes below) and says whether it did; otherwise the torch sequence runs.
+        self._take_draft_hook = getattr(model, "take_draft", None)
 
     def _filter(self, logits):
         if self._sample_rows is not None:
@@ -164,8 +180,11 @@ class Round:
     # ---- 5: recursive drafting ---------------------------------------------------------------------
     def _take_draft(self, st: DecodeState, g: torch.Tensor, k: int) -> None:
         """Draft depth k from draft hidden g [1, H]: its proposal, the drawn token, the policy."""
-        q_ids, q_probs, d, idx = self._filter_draw(self.model.mtp_logits(g),
-                                                   self._uniform(st.seed, (st.start + k).view(1), rng.DRAFT))
+        logits = self.model.mtp_logits(g)
+        u = self._uniform(st.seed, (st.start + k).view(1), rng.DRAFT)
+        if self._take_draft_hook is not None and self._take_draft_hook(st, logits, u, g, k, self.s, self.draft):
+            return
+        q_ids, q_probs, d, idx = self._filter_draw(logits, u)
         st.tokens[k].copy_(d[0])
         st.q_ids[k].copy_(q_ids[0])
         st.q_probs[k].copy_(q_probs[0])
@@ -182,15 +201,11 @@ class Round:
         """Whether depth k+1 runs. Depths up to min_depth always run; never past max_depth. The stop
         rule looks at the drafts' served probabilities and the last proposal's entropy; a draft is
         never discarded because of its own probability (only the next depth is decided)."""
-        d = self.draft
         dev = st.tokens.device
-        if k + 1 <= d.min_depth:
-            return torch.ones((), dtype=torch.bool, device=dev)
-        if k + 1 > d.max_depth:
-            return torch.zeros((), dtype=torch.bool, device=dev)
-        if d.policy == "fixed":
-            return torch.full((), k + 1 <= d.fixed_depth, dtype=torch.bool, device=dev)
-        r = d.stop_rule
+        decided = continue_decided(self.draft, k)
+        if decided is not None:
+            return torch.full((), decided, dtype=torch.bool, device=dev)
+        r = self.draft.stop_rule
         return (st.draft_logp >= r.log_prob_min) & (st.draft_ent <= r.entropy_max)
 
     def draft_first(self, st: DecodeState, w: int) -> None:

@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 LOGITS_BOUND = 0.05
-KERNEL_MODULES = ("attention", "moe", "norm", "sampler", "linear", "uniform")
+KERNEL_MODULES = ("attention", "moe", "norm", "sampler", "linear", "uniform", "rope", "router", "draft")
 
 if not HAS_CUDA:
     # As tests/kernels/conftest.py: the interpreter must be on before triton is first imported (its
@@ -423,6 +423,56 @@ def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast
         assert spy_fast.calls["decode_attention_full"] and spy_fast.calls["decode_attention_ring"]
 
 
+def draft_hook_arms(make_round, steps):
+    """The state after ``steps`` (a function of (round, state)) with the fast model's draft-update
+    hook (one launch after the sampler), with the hook removed (Round's torch sequence on sample_rows),
+    and with the hook on a model whose update takes logp at the candidate after the drawn one
+    (negative control)."""
+    out = {}
+    for arm in ("hook", "torch", "broken"):
+        rnd, st = make_round(arm == "broken")
+        if arm == "torch":
+            rnd._take_draft_hook = None
+        with torch.no_grad():
+            steps(rnd, st)
+        out[arm] = clone_state(st)
+    return out
+
+
+def check_draft_hook(arms):
+    a, b, c = arms["hook"], arms["torch"], arms["broken"]
+    for name in ("tokens", "q_ids", "q_probs", "g", "draft_logp", "n_drafts", "log", "cont", "out", "n_out"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert ((a.draft_ent - b.draft_ent).abs() <= 1e-6 * b.draft_ent.abs()).all()
+    assert not torch.equal(c.draft_logp, b.draft_logp)
+
+
+@cpu_only
+def test_interpreted_draft_update_hook_matches_the_torch_sequence(interp):
+    """Round._take_draft through FastModel.take_draft (the sampler's kernel, then take_draft's one
+    launch) against the same round with the hook removed: the same state after a start and one step
+    (verify, two drafts), the entropy within 1e-6; the draft_logp_bug model's state differs."""
+    from runtime.fast import FastModel
+
+    cfg = tiny2()
+    tensors = dict(random_tensors(cfg, seed=0))
+
+    def make_round(broken):
+        eng = Engine(cfg, runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16"}),
+                     tensors)
+        if broken:
+            eng.model = FastModel.from_model(eng.model, broken="draft_logp_bug")
+        return eng.start(random_prompt(40, 512), 0, 32)
+
+    def steps(rnd, st):
+        w = st.width()
+        rnd.verify(st, w)
+        rnd.draft_first(st, w)
+        rnd.draft_next(st, 2)
+
+    check_draft_hook(draft_hook_arms(make_round, steps))
+
+
 GLUE_ARMS = {"default": (True, False), "in_kernel": (True, True), "torch": (False, False),
              "perturbed": (True, True)}   # (fused_glue, rope_tables_in_kernel)
 
@@ -693,6 +743,33 @@ def test_gpu_fast_step_is_graph_capturable(mini_pair):
         torch.cuda.synchronize()
     for f in dataclasses.fields(st):
         assert torch.equal(getattr(st, f.name), getattr(eager, f.name)), f.name
+
+
+@pytest.mark.gpu
+def test_gpu_draft_update_hook_matches_the_torch_sequence(mini_pair):
+    """q1-mini on the GPU: three whole steps (verify, drafts to depth 7) with FastModel.take_draft and
+    with Round's torch sequence reach the same state (entropy within 1e-6); draft_logp_bug differs."""
+    from runtime.fast import FastModel
+
+    _, eng = mini_pair
+
+    def make_round(broken):
+        rnd, st = eng.start(code_prompt(3), 0, 32)
+        if broken:
+            rnd.model = FastModel.from_model(rnd.model, broken="draft_logp_bug")
+            rnd._take_draft_hook = rnd.model.take_draft
+        return rnd, st
+
+    def steps(rnd, st):
+        for _ in range(3):
+            w = st.width()
+            rnd.verify(st, w)
+            rnd.draft_first(st, w)
+            for k in range(2, 8):
+                rnd.draft_next(st, k)
+        torch.cuda.synchronize()
+
+    check_draft_hook(draft_hook_arms(make_round, steps))
 
 
 @pytest.mark.gpu

@@ -35,18 +35,24 @@ PDL = True
 
 
 @triton.jit(launch_metadata=launch_signature)
-def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, stride_x, stride_r, stride_o, stride_o16, eps,
+def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, IDS, stride_x, stride_r, stride_o, stride_o16, eps, VSTART, VSIZE,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr,
                         HAS16: tl.constexpr = False, ROUND16_BUG: tl.constexpr = False,
                         PDL: tl.constexpr = False, LOAD_RES: tl.constexpr = True,
-                        STORE_RES: tl.constexpr = True):
+                        STORE_RES: tl.constexpr = True, GATHER: tl.constexpr = False):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()   # the predecessor's x and residual are complete and visible from here
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
-    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    if GATHER:   # x = the embedding row of token IDS[row] (zero outside this rank's vocabulary slice)
+        local = tl.load(IDS + row).to(tl.int64) - VSTART
+        inside = ((local >= 0) & (local < VSIZE)).to(tl.float32)
+        local = tl.minimum(tl.maximum(local, 0), VSIZE - 1)
+        x = tl.load(X + local * stride_x + offs, mask=ok, other=0.0).to(tl.float32) * inside
+    else:
+        x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     res_ptr = RES + row * stride_r + offs
     if LOAD_RES:
         r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + x).to(RES.dtype.element_ty)
@@ -98,22 +104,32 @@ def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=Non
     check(block_h <= 32768, "H <= 32768")
     use_pdl = pdl_supported(x.device) and (PDL if pdl is None else bool(pdl))
     _add_rmsnorm_kernel[(w,)](
-        x, residual, weight, out, out16 if has16 else out, x.stride(0), residual.stride(0), out.stride(0),
-        out16.stride(0) if has16 else 0, float(eps),
+        x, residual, weight, out, out16 if has16 else out, x, x.stride(0), residual.stride(0), out.stride(0),
+        out16.stride(0) if has16 else 0, float(eps), 0, 1,
         H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug), PDL=use_pdl,
         num_warps=NUM_WARPS if block_h >= 4096 else 4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 
 
-def rmsnorm(x, weight, eps, out=None, *, x_out=None, pdl=None, _stale_bug=False):
+def rmsnorm(x, weight, eps, out=None, *, x_out=None, ids=None, vocab_start=0, vocab_size=None, pdl=None,
+            _stale_bug=False):
     """out = RMSNorm(x) * weight in BF16 (x rounded to BF16 first), with no residual: the kernel of
     ``fused_add_rmsnorm`` with a zero residual that it neither reads nor writes (no zero tensor to
     fill). ``x_out`` [w, H] BF16 (optional) also receives x's BF16 values (a residual stream's start).
     x [w, H] BF16 (an FP32 x is rounded by the caller: the interpreter's conversion truncates).
+    ``ids`` [w] integer: x is instead an embedding table [V, H] BF16 and row r is its row
+    ids[r] - vocab_start, zero where that falls outside [0, vocab_size) (default V; the reference's
+    ``embed_tokens`` of one rank's vocabulary slice: the gather, the mask and the norm in one launch).
     ``_stale_bug``: the tests' negative control (the kernel adds what ``x_out`` held before the call)."""
     check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [w, H] bf16, contiguous rows")
     w, H = x.shape
+    gather = ids is not None
+    if gather:
+        check(ids.dim() == 1 and not ids.is_floating_point() and ids.device == x.device, "ids [w] integer")
+        w = ids.shape[0]
+    vocab_size = x.shape[0] if vocab_size is None else int(vocab_size)
+    check(1 <= vocab_size <= x.shape[0], "vocab_size within the table's rows")
     check(weight.shape == (H,) and weight.stride(0) == 1 and weight.device == x.device, "weight [H]")
     if out is None:
         out = torch.empty((w, H), device=x.device, dtype=torch.bfloat16)
@@ -124,11 +140,12 @@ def rmsnorm(x, weight, eps, out=None, *, x_out=None, pdl=None, _stale_bug=False)
     block_h = next_pow2(H)
     check(block_h <= 32768, "H <= 32768")
     use_pdl = pdl_supported(x.device) and (PDL if pdl is None else bool(pdl))
-    res = x if x_out is None else x_out
+    res = out if x_out is None else x_out     # (RES: the dtype x is rounded to; written only as x_out)
     _add_rmsnorm_kernel[(w,)](
-        x, res, weight, out, out, x.stride(0), res.stride(0), out.stride(0), 0, float(eps),
+        x, res, weight, out, out, ids if gather else x, x.stride(0), res.stride(0), out.stride(0), 0, float(eps),
+        int(vocab_start), vocab_size,
         H=H, BLOCK_H=block_h, NORM_BUG=False, HAS16=False, PDL=use_pdl, LOAD_RES=bool(_stale_bug),
-        STORE_RES=x_out is not None, num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        STORE_RES=x_out is not None, GATHER=gather, num_warps=NUM_WARPS if block_h >= 4096 else 4,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -6,9 +6,9 @@ Triton 3.6's interpreter has two gaps that the compiled GPU path does not have:
   interpreter): we upcast BF16 operands to FP32 first (exact), which is what the tensor cores do.
 * ``range(a, b)`` with bounds loaded from memory calls ``int()`` on a size-1 array, which NumPy >= 2
   refuses: we take the single element instead.
-* ``libdevice.cos`` / ``libdevice.sin`` (the CUDA math library's FP64 functions, which the RoPE kernel
-  calls to match torch's FP64 tables bit for bit) are stubs that return None: we route them to the
-  interpreter's ``tl.cos`` / ``tl.sin`` (NumPy's, within an ulp of torch's on the CPU).
+* ``libdevice.cos`` / ``sin`` / ``log`` (the CUDA math library's functions, which the RoPE and draft
+  kernels call to match torch's results bit for bit) are stubs that return None: we route them to the
+  interpreter's ``tl.cos`` / ``tl.sin`` / ``tl.log`` (NumPy's, within an ulp of torch's on the CPU).
 
 Known and NOT shimmed: the interpreter's FP32 -> E4M3 conversion mis-rounds values whose rounding
 carries into the next binade (e.g. 31.9 -> 16 instead of 32). The MoE kernels therefore encode E4M3
@@ -54,4 +54,5 @@ def install() -> None:
     from triton.language.extra import libdevice
     libdevice.cos = lambda x, **_: tl.cos(x)
     libdevice.sin = lambda x, **_: tl.sin(x)
+    libdevice.log = lambda x, **_: tl.log(x)
     I._iqrt_shims_installed = True

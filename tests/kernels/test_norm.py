@@ -5,7 +5,8 @@ within one BF16 step in the interpreter, whose FP32->BF16 conversion truncates);
 output is checked by the max per-row relative error. Negative control: normalising by the RMS of
 x instead of the RMS of the sum must fail the same check. ``rmsnorm`` (no residual): the output
 against the reference with a zero residual, ``x_out`` exactly x; negative control: a kernel that adds
-the (poisoned) old contents of ``x_out``.
+the (poisoned) old contents of ``x_out``. ``rmsnorm`` with ``ids`` (embedding rows of a vocabulary
+slice): x_out exactly the reference's masked gather; negative control: a wrong slice start.
 """
 from __future__ import annotations
 
@@ -134,3 +135,40 @@ def test_interp_rmsnorm():
     Nm = load_kernels("norm")
     assert _rmsnorm_ok(Nm, 6, 256, seed=5)
     assert not _rmsnorm_ok(Nm, 6, 256, seed=5, _stale_bug=True)
+
+
+def _gather_ok(Nm, H, vocab_start, kernel_start):
+    """rmsnorm with ids (the embedding rows of one vocabulary slice, zero outside it, then the norm):
+    x_out equals the reference's embed_tokens exactly and the output is within TOL of the FP64 norm
+    of it. ``kernel_start`` is what the kernel is told (the negative control: a wrong slice start)."""
+    dev = torch.device("cuda" if HAS_CUDA else "cpu")
+    g = torch.Generator().manual_seed(H + vocab_start)
+    V = 96
+    table = torch.randn(V, H, generator=g).to(torch.bfloat16).to(dev)
+    wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(dev)
+    ids = torch.tensor([vocab_start, vocab_start + 5, vocab_start + V - 1, vocab_start + V, 3, vocab_start + 40],
+                       device=dev)
+    local = ids - vocab_start
+    inside = (local >= 0) & (local < V)
+    e = table[local.clamp(0, V - 1)] * inside[:, None].to(torch.bfloat16)
+    _, n_ref = Nm.add_rmsnorm_reference(e, torch.zeros_like(e), wt, 1e-6)
+    out = torch.full((6, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    x_out = torch.full_like(out, float("nan"))
+    Nm.rmsnorm(table, wt, 1e-6, out, x_out=x_out, ids=ids, vocab_start=kernel_start)
+    err = max_row_rel_err(out[inside], n_ref[inside])
+    return bool(torch.equal(x_out, e) and err < TOL and (out[~inside] == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [6144, 256])
+def test_gpu_rmsnorm_gathers_embedding_rows(H):
+    Nm = load_kernels("norm")
+    assert _gather_ok(Nm, H, 200, 200) and _gather_ok(Nm, H, 0, 0)
+    assert not _gather_ok(Nm, H, 200, 0)
+
+
+@cpu_only
+def test_interp_rmsnorm_gathers_embedding_rows():
+    Nm = load_kernels("norm")
+    assert _gather_ok(Nm, 256, 200, 200) and _gather_ok(Nm, 256, 0, 0)
+    assert not _gather_ok(Nm, 256, 200, 0)
