@@ -252,6 +252,9 @@ AB_VARIANTS = {
     # each draft depth's state update as Round's torch sequence on sample_rows (about twenty launches)
     # instead of FastModel.take_draft (the sampler's kernel, then one launch)
     "torch_draft_update": lambda rnd: setattr(rnd, "_take_draft_hook", None),
+    # verify's writes after the rejection sampling as Round's torch sequence (about forty launches)
+    # instead of FastModel.settle (one launch)
+    "torch_settle": lambda rnd: setattr(rnd, "_settle_hook", None),
     # RoPE's tables computed in every rope_kv_write program (FP64 cos / sin) instead of once per pass
     # in torch (session 15, call 2: 0.3 % slower together with the glue above; off by default)
     "kernel_rope_tables": lambda rnd: _model_variant(rnd, rope_tables_in_kernel=True),

@@ -66,7 +66,7 @@ import torch
 from . import rng
 from .config import ConfigError, DraftConfig, KernelsConfig, ModelConfig, SamplingConfig, Shard
 from .kernels import attention as _attn
-from .kernels import draft as _draft
+from .kernels import round_state as _round
 from .kernels import linear as _linear
 from .kernels import moe as _moe
 from .kernels import norm as _norm
@@ -75,14 +75,16 @@ from .kernels import router as _router
 from .kernels import sampler as _sampler
 from .kernels import uniform as _uniform
 from .model import KVCache, LayerWeights, Model, ModelCache, attend_chunked, visible_keys, write_decode
-from .speculative import LOG_NEXT_DRAFTS, continue_decided
+from .speculative import (LOG_ACCEPTED, LOG_CACHE_LEN, LOG_DONE, LOG_DRAFTS, LOG_EMITTED, LOG_NEXT_DRAFTS, LOG_TOKENS,
+                          LOG_WIDTH, continue_decided)
 from .sampling import draw, filter_dist
 
 MAX_DECODE_ROWS = 8
 _BF16 = torch.bfloat16
 # Negative controls for the tests: a FastModel with one deliberately broken kernel argument.
-BROKEN = ("drop_sinks", "moe_scale_bug", "draft_logp_bug")
-_BROKEN_PIECE = {"drop_sinks": "attention", "moe_scale_bug": "moe", "draft_logp_bug": "sampler"}
+BROKEN = ("drop_sinks", "moe_scale_bug", "draft_logp_bug", "settle_stop_bug")
+_BROKEN_PIECE = {"drop_sinks": "attention", "moe_scale_bug": "moe", "draft_logp_bug": "sampler",
+                 "settle_stop_bug": None}   # (the settle kernel belongs to no selectable piece)
 
 
 def _keyword_options(*fns, drop=()) -> list[str]:
@@ -145,7 +147,7 @@ def kernels_runnable(device: torch.device) -> str | None:
     if not isinstance(std.cdiv, interpreter.InterpretedFunction):
         return ("TRITON_INTERPRET=1 is set but triton was imported before it: its library functions "
                 "are compiled ones (set the variable before anything imports triton)")
-    mods = (_attn, _draft, _linear, _moe, _norm, _rope, _router, _sampler, _uniform)
+    mods = (_attn, _linear, _moe, _norm, _rope, _round, _router, _sampler, _uniform)
     if any(not isinstance(f, interpreter.InterpretedFunction) for m in mods for f in _jitted(m)):
         return ("TRITON_INTERPRET=1 is set but runtime.kernels were imported before it: their "
                 "kernels are compiled ones, which cannot run on the CPU (re-import them after "
@@ -197,7 +199,7 @@ class FastModel(Model):
         self._attn_options, self._moe_options = kernel_options(kernels)
         if broken is not None and broken not in BROKEN:
             raise ValueError(f"broken must be one of {BROKEN}, got {broken!r}")
-        if broken is not None and getattr(kernels, _BROKEN_PIECE[broken]) != "fast":
+        if broken is not None and _BROKEN_PIECE[broken] and getattr(kernels, _BROKEN_PIECE[broken]) != "fast":
             raise ValueError(f"broken={broken!r} breaks the {_BROKEN_PIECE[broken]} kernel, which "
                              f"kernels.{_BROKEN_PIECE[broken]}=reference does not run")
         self.broken = broken
@@ -211,6 +213,8 @@ class FastModel(Model):
         # with it the step was 0.3 % slower: the per-layer FP64 trig outweighs the saved launches;
         # bench_step.py --ab kernel_rope_tables)
         self.rope_tables_in_kernel = False
+        self._log_cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
+                              cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
         cfg, sh, dev = self.cfg, self.shard, self.device
         d = cfg.head_dim
         self._inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d)
@@ -449,6 +453,15 @@ class FastModel(Model):
             return rng.uniform(seed, positions, purpose, lane)
         return _uniform.uniform(seed, positions, purpose, lane)
 
+    def settle(self, st, w: int, n: torch.Tensor, nxt: torch.Tensor, h: torch.Tensor) -> bool:
+        """Round's settle hook: with the fused glue, verify's writes after the rejection sampling (the
+        emitted tokens, stop and budget, the result-log row, the state for the next round, the hidden
+        states) in one launch (``settle``); returns True. False (the torch sequence runs) otherwise."""
+        if not self.fused_glue:
+            return False
+        _round.settle(st, n, nxt, h, w, cols=self._log_cols, _stop_bug=self.broken == "settle_stop_bug")
+        return True
+
     def take_draft(self, st, logits: torch.Tensor, u: torch.Tensor, g: torch.Tensor, k: int,
                    s: SamplingConfig, draft: DraftConfig) -> bool:
         """Round's draft-update hook: with the fast sampler and the fused glue (and no peers), the
@@ -461,9 +474,9 @@ class FastModel(Model):
         ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
                                                          s.top_k, s.top_p)
         decided = continue_decided(draft, k)
-        mode = _draft.CONT_RULE if decided is None else (_draft.CONT_ALWAYS if decided else _draft.CONT_NEVER)
+        mode = _round.CONT_RULE if decided is None else (_round.CONT_ALWAYS if decided else _round.CONT_NEVER)
         r = draft.stop_rule
-        _draft.take_draft(st, ids, probs, tok, idx, g, k, mode, vocab_start=self.shard.vocab_start,
+        _round.take_draft(st, ids, probs, tok, idx, g, k, mode, vocab_start=self.shard.vocab_start,
                           log_prob_min=r.log_prob_min, entropy_max=r.entropy_max, log_col=LOG_NEXT_DRAFTS,
                           _logp_bug=self.broken == "draft_logp_bug")
         if self.comm.size > 1:

@@ -117,6 +117,10 @@ class Round:
         # sampling and the state update of _take_draft itself (the fast backend: its sampler, then one
         # launch for the writes below) and says whether it did; otherwise the torch sequence runs.
         self._take_draft_hook = getattr(model, "take_draft", None)
+        # Settle hook: ``settle(st, w, n, nxt, h) -> bool`` does verify's writes after the rejection
+        # sampling (emit, the log row, the state) itself (the fast backend: one launch) and says
+        # whether it did; otherwise the torch sequence runs.
+        self._settle_hook = getattr(model, "settle", None)
 
     def _filter(self, logits):
         if self._sample_rows is not None:
@@ -145,8 +149,17 @@ class Round:
                                self._uniform(st.seed, pos[1:], rng.ACCEPT),
                                self._uniform(st.seed, pos[1:], rng.RESIDUAL),
                                self._uniform(st.seed, P + w, rng.TARGET))
+        if self._settle_hook is None or not self._settle_hook(st, w, n, nxt, h):
+            self._settle(st, w, n, nxt, h)
+
+    @staticmethod
+    def _settle(st: DecodeState, w: int, n: torch.Tensor, nxt: torch.Tensor, h: torch.Tensor) -> None:
+        """Verify's writes after the rejection sampling: emitted tokens, the log row, the next state."""
+        dev = st.tokens.device
+        P = st.start
+        drafts = st.tokens[1:w]
         em = torch.cat([drafts, nxt.view(1)]).scatter(0, n.view(1), nxt.view(1))   # [w]
-        count = self._emit(st, em, n)
+        count = Round._emit(st, em, n)
         row = torch.zeros(LOG_COLS, dtype=torch.int64, device=dev)
         row[LOG_WIDTH].fill_(w)        # fill_ takes the int as a kernel argument; `row[i] = w` would
         row[LOG_DRAFTS].fill_(w - 1)   # copy a host scalar tensor to the device (a sync, not capturable)
@@ -165,7 +178,8 @@ class Round:
         st.tokens[0].copy_(nxt)
         st.n_drafts.zero_()
 
-    def _emit(self, st: DecodeState, em: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _emit(st: DecodeState, em: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """Append em[:n+1] to the output, cut at a stop token and at the budget; returns the count."""
         w = em.shape[0]
         idx = torch.arange(w, device=em.device)

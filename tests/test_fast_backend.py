@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 LOGITS_BOUND = 0.05
-KERNEL_MODULES = ("attention", "moe", "norm", "sampler", "linear", "uniform", "rope", "router", "draft")
+KERNEL_MODULES = ("attention", "moe", "norm", "sampler", "linear", "uniform", "rope", "router", "round_state")
 
 if not HAS_CUDA:
     # As tests/kernels/conftest.py: the interpreter must be on before triton is first imported (its
@@ -424,24 +424,33 @@ def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast
 
 
 def draft_hook_arms(make_round, steps):
-    """The state after ``steps`` (a function of (round, state)) with the fast model's draft-update
-    hook (one launch after the sampler), with the hook removed (Round's torch sequence on sample_rows),
-    and with the hook on a model whose update takes logp at the candidate after the drawn one
-    (negative control)."""
-    out = {}
+    """The state after ``steps`` (a function of (round, state)) with the fast model's state-update
+    hooks (take_draft and settle: one launch each), with both hooks removed (Round's torch sequences),
+    and with the hooks on a model whose draft update takes logp at the candidate after the drawn one
+    (negative control); plus how often the hook arm's two kernels ran."""
+    import runtime.fast as fastmod
+
+    out, calls = {}, []
     for arm in ("hook", "torch", "broken"):
         rnd, st = make_round(arm == "broken")
         if arm == "torch":
-            rnd._take_draft_hook = None
-        with torch.no_grad():
+            rnd._take_draft_hook = rnd._settle_hook = None
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+            if arm == "hook":
+                for name in ("take_draft", "settle"):
+                    real = getattr(fastmod._round, name)
+                    mp.setattr(fastmod._round, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
             steps(rnd, st)
         out[arm] = clone_state(st)
+    out["calls"] = calls
     return out
 
 
-def check_draft_hook(arms):
+def check_draft_hook(arms, verifies, drafts):
     a, b, c = arms["hook"], arms["torch"], arms["broken"]
-    for name in ("tokens", "q_ids", "q_probs", "g", "draft_logp", "n_drafts", "log", "cont", "out", "n_out"):
+    assert arms["calls"].count("settle") == verifies and arms["calls"].count("take_draft") == drafts, arms["calls"]
+    for name in ("tokens", "q_ids", "q_probs", "g", "draft_logp", "n_drafts", "log", "cont", "out", "n_out",
+                 "start", "prev_start", "accepted", "emitted", "hidden", "step", "done"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert ((a.draft_ent - b.draft_ent).abs() <= 1e-6 * b.draft_ent.abs()).all()
     assert not torch.equal(c.draft_logp, b.draft_logp)
@@ -450,8 +459,9 @@ def check_draft_hook(arms):
 @cpu_only
 def test_interpreted_draft_update_hook_matches_the_torch_sequence(interp):
     """Round._take_draft through FastModel.take_draft (the sampler's kernel, then take_draft's one
-    launch) against the same round with the hook removed: the same state after a start and one step
-    (verify, two drafts), the entropy within 1e-6; the draft_logp_bug model's state differs."""
+    launch) and verify's settle through FastModel.settle, against the same round with both hooks
+    removed: the same state after a start and one step (verify, two drafts), the entropy within 1e-6;
+    the draft_logp_bug model's state differs."""
     from runtime.fast import FastModel
 
     cfg = tiny2()
@@ -470,7 +480,7 @@ def test_interpreted_draft_update_hook_matches_the_torch_sequence(interp):
         rnd.draft_first(st, w)
         rnd.draft_next(st, 2)
 
-    check_draft_hook(draft_hook_arms(make_round, steps))
+    check_draft_hook(draft_hook_arms(make_round, steps), verifies=1, drafts=2)
 
 
 GLUE_ARMS = {"default": (True, False), "in_kernel": (True, True), "torch": (False, False),
@@ -747,8 +757,9 @@ def test_gpu_fast_step_is_graph_capturable(mini_pair):
 
 @pytest.mark.gpu
 def test_gpu_draft_update_hook_matches_the_torch_sequence(mini_pair):
-    """q1-mini on the GPU: three whole steps (verify, drafts to depth 7) with FastModel.take_draft and
-    with Round's torch sequence reach the same state (entropy within 1e-6); draft_logp_bug differs."""
+    """q1-mini on the GPU: three whole steps (verify, drafts to depth 7) with FastModel's take_draft and
+    settle hooks and with Round's torch sequences reach the same state (entropy within 1e-6);
+    draft_logp_bug differs."""
     from runtime.fast import FastModel
 
     _, eng = mini_pair
@@ -769,7 +780,7 @@ def test_gpu_draft_update_hook_matches_the_torch_sequence(mini_pair):
                 rnd.draft_next(st, k)
         torch.cuda.synchronize()
 
-    check_draft_hook(draft_hook_arms(make_round, steps))
+    check_draft_hook(draft_hook_arms(make_round, steps), verifies=3, drafts=21)
 
 
 @pytest.mark.gpu

@@ -1,11 +1,14 @@
-"""A draft depth's state update in one launch (``take_draft``) against Round._take_draft's torch
-sequence on the same sampler outputs.
+"""The round's state updates in one launch each against Round's torch sequences: a draft depth's
+(``take_draft``, against Round._take_draft's writes on the same sampler outputs) and the
+verification's settle (``settle``, against Round._settle on the same n, next token and hidden states).
 
 Each case poisons the state's rows the update writes, runs both on copies of one state, and compares
 every field: equal (the entropy within 1e-6 relative: the kernel sums its K terms in another order),
 for depth 1 (draft_logp set) and depth 3 (accumulated), at a nonzero vocabulary offset, for each of the
 policy's decision modes. Negative control: logp taken at the candidate after the drawn one
-changes draft_logp.
+changes draft_logp. Settle: every field of the state equal after the kernel and after
+Round._settle, for accepted counts 0..w-1, with and without a stop token among the emitted ones, at
+the budget's edge; negative control: stop tokens ignored.
 """
 from __future__ import annotations
 
@@ -97,7 +100,7 @@ def _mode(D, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,mode,decided", CASES)
 def test_gpu(k, mode, decided):
-    D = load_kernels("draft")
+    D = load_kernels("round_state")
     assert _same(D, k, _mode(D, mode), decided)
     assert _same(D, k, _mode(D, mode), decided, lp_min=-50.0, ent_max=50.0)
     assert not _same(D, k, _mode(D, mode), decided, _logp_bug=True)
@@ -106,6 +109,63 @@ def test_gpu(k, mode, decided):
 @cpu_only
 @pytest.mark.parametrize("k,mode,decided", CASES[:2])
 def test_interp(k, mode, decided):
-    D = load_kernels("draft")
+    D = load_kernels("round_state")
     assert _same(D, k, _mode(D, mode), decided)
     assert not _same(D, k, _mode(D, mode), decided, _logp_bug=True)
+
+
+def _settle_same(R, w, n, stop_at, budget_left, seed, **kw):
+    """State after settle == state after Round._settle (from one random state; ``stop_at``: index of
+    em whose token is made a stop token, or None; ``budget_left``: budget - n_out)."""
+    from runtime.speculative import (LOG_ACCEPTED, LOG_CACHE_LEN, LOG_DONE, LOG_DRAFTS, LOG_EMITTED, LOG_TOKENS,
+                                     LOG_WIDTH, DecodeState, Round)
+
+    dev = _dev()
+    g = torch.Generator().manual_seed(seed)
+    H = 160
+    tokens = torch.randint(0, 30000, (8,), generator=g)
+    nxt = torch.tensor(31000 + seed)
+    em = torch.cat([tokens[1:w], nxt.view(1)]).scatter(0, torch.tensor([n]), nxt.view(1))
+    stops = [int(em[stop_at])] if stop_at is not None else []
+    st = DecodeState.empty(H, 20, 40, seed, stops + [7], dev)
+    st.tokens.copy_(tokens)
+    st.start.fill_(1000 + seed)
+    st.step.fill_(5)
+    st.n_out.fill_(40 - budget_left)
+    st.log.copy_(torch.randint(0, 9, st.log.shape, generator=g))
+    st.out.copy_(torch.randint(0, 9, st.out.shape, generator=g))
+    st.n_drafts.fill_(w - 1)
+    h = torch.randn(w, H, generator=g).to(torch.bfloat16).to(dev)
+    nt, nx = torch.tensor(n, device=dev), nxt.to(dev)
+    ref = copy.deepcopy(st)
+    Round._settle(ref, w, nt, nx, h)
+    st.hidden.fill_(float("nan"))
+    st.emitted.fill_(-5)
+    cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
+                cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
+    R.settle(st, nt, nx, h, w, cols=cols, **kw)
+    hid_ok = torch.equal(st.hidden[:w], ref.hidden[:w])
+    others = [torch.equal(getattr(st, f), getattr(ref, f)) for f in
+              ("tokens", "start", "prev_start", "accepted", "n_drafts", "out", "n_out", "log", "step", "done")]
+    return hid_ok and all(others) and torch.equal(st.emitted[:w], ref.emitted[:w])
+
+
+SETTLE_CASES = [(6, 0, None, 30), (6, 5, None, 30), (6, 3, 1, 30), (6, 3, 3, 30), (8, 7, 5, 2), (4, 2, None, 1),
+                (5, 4, 4, 30)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w,n,stop_at,left", SETTLE_CASES)
+def test_gpu_settle(w, n, stop_at, left):
+    R = load_kernels("round_state")
+    assert _settle_same(R, w, n, stop_at, left, seed=w * 10 + n)
+    if stop_at is not None and stop_at <= n and left > stop_at + 1:
+        assert not _settle_same(R, w, n, stop_at, left, seed=w * 10 + n, _stop_bug=True)
+
+
+@cpu_only
+def test_interp_settle():
+    R = load_kernels("round_state")
+    for w, n, stop_at, left in SETTLE_CASES[:4]:
+        assert _settle_same(R, w, n, stop_at, left, seed=w * 10 + n), (w, n, stop_at, left)
+    assert not _settle_same(R, 6, 3, 1, 30, seed=63, _stop_bug=True)
