@@ -255,6 +255,9 @@ AB_VARIANTS = {
     # verify's writes after the rejection sampling as Round's torch sequence (about forty launches)
     # instead of FastModel.settle (one launch)
     "torch_settle": lambda rnd: setattr(rnd, "_settle_hook", None),
+    # the MoE's output and the next residual add + RMSNorm in two launches (the reduce, then the norm)
+    # instead of one (FastModel.fuse_moe_norm off)
+    "moe_norm_apart": lambda rnd: _model_variant(rnd, fuse_moe_norm=False),
     # RoPE's tables computed in every rope_kv_write program (FP64 cos / sin) instead of once per pass
     # in torch (session 15, call 2: 0.3 % slower together with the glue above; off by default)
     "kernel_rope_tables": lambda rnd: _model_variant(rnd, rope_tables_in_kernel=True),

@@ -19,7 +19,9 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
     ids, weights = route_topk(h, router, 8)    FP32 router logits from the BF16 input, top 8,
                                                softmax: one kernel (the reference: 3-5 torch launches)
     m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
-    h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only)
+    h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only); with
+                                               fuse_moe_norm the MoE's reduce does this add + norm
+                                               itself (norm=: each row's last program), same values
 
 so each residual add is fused with the norm that follows it (the reference's ``block`` does
 ``x + attn(norm(x))`` then ``x + moe(norm(x))``: same values, rounded the same way, since the kernel
@@ -82,9 +84,9 @@ from .sampling import draw, filter_dist
 MAX_DECODE_ROWS = 8
 _BF16 = torch.bfloat16
 # Negative controls for the tests: a FastModel with one deliberately broken kernel argument.
-BROKEN = ("drop_sinks", "moe_scale_bug", "draft_logp_bug", "settle_stop_bug")
+BROKEN = ("drop_sinks", "moe_scale_bug", "draft_logp_bug", "settle_stop_bug", "moe_norm_bug")
 _BROKEN_PIECE = {"drop_sinks": "attention", "moe_scale_bug": "moe", "draft_logp_bug": "sampler",
-                 "settle_stop_bug": None}   # (the settle kernel belongs to no selectable piece)
+                 "settle_stop_bug": None, "moe_norm_bug": "moe"}   # (the settle kernel belongs to no selectable piece)
 
 
 def _keyword_options(*fns, drop=()) -> list[str]:
@@ -104,7 +106,7 @@ def kernel_options(kernels: KernelsConfig) -> tuple[dict, dict]:
     checks = (("attention_options", kernels.attention_options,
                _keyword_options(_attn.decode_attention_full, _attn.decode_attention_ring, drop=("out",)),
                "decode_attention_full/_ring"),
-              ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan), "fused_moe_fp8 (moe_plan)"))
+              ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan, drop=("norm",)), "fused_moe_fp8 (moe_plan)"))
     for what, given, allowed, fn in checks:
         unknown = sorted(k for k in given if k not in allowed)
         if unknown:
@@ -213,6 +215,10 @@ class FastModel(Model):
         # with it the step was 0.3 % slower: the per-layer FP64 trig outweighs the saved launches;
         # bench_step.py --ab kernel_rope_tables)
         self.rope_tables_in_kernel = False
+        # The MoE reduce also does the next residual add + RMSNorm (one launch fewer per layer; the
+        # same values: bench_step.py --ab moe_norm_apart measures it). Its per-row arrival counters:
+        self.fuse_moe_norm = True
+        self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
         self._log_cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
                               cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
         cfg, sh, dev = self.cfg, self.shard, self.device
@@ -375,14 +381,27 @@ class FastModel(Model):
         out = self._proj(o.view(T, nh * d), lw.wo)
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
-    def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None) -> torch.Tensor:
+    def _moe_norm_fusable(self) -> bool:
+        """Whether the MoE's reduce may also do the next residual add + RMSNorm (``fuse_moe_norm``):
+        fast MoE (v1) and norm kernels, and no peer whose partial sums the add must wait for."""
+        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
+        return (self.fuse_moe_norm and self.kernels.moe == "fast" and self.kernels.norm == "fast" and not peers
+                and self._moe_options.get("variant", _moe.MOE_VARIANT) == "v1")
+
+    def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None,
+                  norm: tuple | None = None) -> torch.Tensor:
         """The MoE of h (BF16); ``h16``: the same values in FP16 (written by the norm before), which
-        the kernel reads instead of converting h on every Gate/Up tile."""
+        the kernel reads instead of converting h on every Gate/Up tile. ``norm`` = (r, weight): the
+        reduce also does r += MoE(h) and returns RMSNorm(r) * weight (see ``_moe_norm_fusable``)."""
         if self.kernels.moe == "reference":
             return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
         ids, weights = self.route(lw, h)
+        fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
-                               _scale_bug=self.broken == "moe_scale_bug", **self._moe_options)
+                               _scale_bug=self.broken == "moe_scale_bug", norm=fused,
+                               _norm_bug=self.broken == "moe_norm_bug", **self._moe_options)
+        # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
+        # the MoE output it stands in for is counted on a tensor of the same shape and dtype)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
 
     def _tables(self, positions: torch.Tensor) -> dict:
@@ -414,6 +433,9 @@ class FastModel(Model):
         for i, (lw, c) in enumerate(zip(layers, caches)):
             a = self._attention_fast(lw, h, positions, c, tab)
             h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention
+            if i + 1 < len(layers) and self._moe_norm_fusable():
+                h = self._moe_fast(lw, h, h16, norm=(r, layers[i + 1].ln1))   # r += moe, h = norm(r)
+                continue
             m = self._moe_fast(lw, h, h16)
             if i + 1 < len(layers):
                 h = add_norm(m, r, layers[i + 1].ln1, eps)   # r += moe

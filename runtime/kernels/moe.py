@@ -91,6 +91,9 @@ DOWN_NB = 8
 # multiplied back.
 DOWN_F16 = True
 DOWN_WIDE_NUM_STAGES = 3
+# Warps of the reduce with the norm fused (``norm=``): the add + RMSNorm kernel's 16, so that the last
+# program's sum of squares over the row has that kernel's layout and order.
+RED_NORM_NUM_WARPS = 16
 RED_BLOCK_H = 256   # 1024 until session 11: with PDL 256 measured MoE 67.5 -> 65.3 us (128: 65.5, 512: 65.9)
 # Programmatic dependent launch in v1 (keyword ``pdl``; CUDA sm_90+ only): Gate/Up releases its
 # dependents at its start, so the wide Down's programs are launched into the slots Gate/Up's
@@ -359,8 +362,9 @@ def _moe_down_wide_kernel(
 
 
 @triton.jit(launch_metadata=launch_signature)
-def _moe_reduce_kernel(Y, TW, OUT, stride_ym, stride_tw, stride_om, H: tl.constexpr,
-                       TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om, stride_r, eps,
+                       H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+                       NORM: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1, NORM_BUG: tl.constexpr = False):
     # It does not release the next kernel early (session 14, call 6: the chain of early launches then
     # reached the next layer's attention while the Down ran, and the step was 4 % slower).
     if PDL:
@@ -372,7 +376,28 @@ def _moe_reduce_kernel(Y, TW, OUT, stride_ym, stride_tw, stride_om, H: tl.conste
     for k in tl.static_range(TOPK):
         wk = tl.load(TW + r * stride_tw + k).to(tl.float32)
         acc += wk * tl.load(Y + (r * TOPK + k) * stride_ym + offs, mask=ok, other=0.0)
-    tl.store(OUT + r * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)
+    if NORM:   # RES += m (m rounded to BF16 first, as the separate add + norm kernel reads it) ...
+        m = acc.to(tl.bfloat16).to(tl.float32)
+        res_ptr = RES + r * stride_r + offs
+        rv = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + m).to(RES.dtype.element_ty)
+        tl.store(res_ptr, rv, mask=ok)
+        # ... then the row's last program to arrive normalises the whole stored row into OUT
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + r, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            full = tl.arange(0, BLOCK_ROW)
+            fok = full < H
+            rr = tl.load(RES + r * stride_r + full, mask=fok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if NORM_BUG:   # negative control: the row's last block left out of the sum of squares
+                ss = tl.sum(tl.where(full < H - BLOCK_H, rr * rr, 0.0), 0)
+            else:
+                ss = tl.sum(rr * rr, 0)
+            inv = tl.math.rsqrt(ss / H + eps)
+            wt = tl.load(WT + full, mask=fok, other=0.0).to(tl.float32)
+            tl.store(OUT + r * stride_om + full, (rr * inv * wt).to(OUT.dtype.element_ty), mask=fok)
+            tl.atomic_xchg(CNT + r, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
+    else:
+        tl.store(OUT + r * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------- v2
@@ -605,13 +630,21 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
     )
 
 
-def _launch_reduce(y, tw, out, *, pdl=False, block_h=None):
-    """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch)."""
+def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False):
+    """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch). ``norm`` = (residual, weight, eps,
+    counter): instead residual += that sum (rounded to BF16) and out = RMSNorm(residual) * weight,
+    computed by each row's last program (``counter``: int32 zeros, at least w, left zero)."""
     w, H = out.shape
     block_h = block_h or RED_BLOCK_H
+    if norm is not None:
+        res, wt, eps, cnt = norm
+    else:
+        res = wt = cnt = out
+        eps = 0.0
     _moe_reduce_kernel[(w, triton.cdiv(H, block_h))](
-        y, tw, out, y.stride(0), tw.stride(0), out.stride(0),
-        H=H, TOPK=tw.shape[1], BLOCK_H=block_h, PDL=pdl, num_warps=4,
+        y, tw, out, res, wt, cnt, y.stride(0), tw.stride(0), out.stride(0), res.stride(0), float(eps),
+        H=H, TOPK=tw.shape[1], BLOCK_H=block_h, PDL=pdl, NORM=norm is not None, BLOCK_ROW=next_pow2(H),
+        NORM_BUG=bool(norm_bug), num_warps=RED_NORM_NUM_WARPS if norm is not None else 4,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -660,7 +693,8 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
-             gu_pdl=None, _drop_split=False, _pdl_no_wait=False, _gu_no_wait=False):
+             gu_pdl=None, norm=None, _drop_split=False, _pdl_no_wait=False, _gu_no_wait=False,
+             _norm_bug=False):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -687,6 +721,12 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         nb = int(down_nb or (DOWN_NB if I <= 256 else 1))
         check(nb >= 1, "down_nb >= 1")
         y = torch.empty((P, H), device=dev, dtype=torch.float32)
+        if norm is not None:
+            res, wt, _, cnt = norm
+            check(res.shape == (w, H) and res.stride(1) == 1 and wt.shape == (H,) and wt.stride(0) == 1
+                  and cnt.dtype == torch.int32 and cnt.numel() >= w and res.device == wt.device == dev,
+                  "norm: (residual [w, H], weight [H], eps, int32 counter of >= w zeros)")
+            check(next_pow2(H) <= 32768, "norm: H <= 32768")
         # PDL chains Gate/Up -> wide Down -> reduce (the one-block Down is launched plainly; the
         # reduce still waits correctly behind it)
         use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
@@ -705,9 +745,11 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait))),
-            ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h)),
+            ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
+                                              norm_bug=_norm_bug)),
         ]
         return out, steps
+    check(norm is None, "norm= (the reduce with the next add + RMSNorm) is a v1 option")
     check(topk == 8, "v2 needs top-8 (power-of-two row tile)")
     split_k = max(1, min(gu_split_k or GU2_SPLIT_K, s13.shape[2]))
     split_e = max(1, down_split_e or DOWN2_SPLIT_E)
@@ -757,7 +799,11 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     while the rest stays programmatic); ``down_prefetch``
     (weight tiles per Down program prefetched to L2 before its wait, with pdl; default DOWN_PREFETCH);
     ``red_block_h`` (reduce columns per program; default RED_BLOCK_H); ``gu_unroll`` (K steps per
-    Gate/Up loop iteration; default GU_UNROLL at the default width, else 1).
+    Gate/Up loop iteration; default GU_UNROLL at the default width, else 1); ``norm`` = (residual,
+    weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
+    rounded to BF16; out = RMSNorm(residual) * weight in BF16, by each row's last reduce program;
+    ``counter`` int32 zeros, at least w, left zero by each call) - the MoE output itself is then not
+    written; ``_norm_bug``: its negative control (a block left out of the sum of squares).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction; ``_pdl_no_wait``
     launches the wide Down early (pdl) without its wait; ``_gu_no_wait`` the same for Gate/Up.

@@ -487,3 +487,53 @@ def test_interp_gu_unroll(unroll):
     assert torch.equal(a, b)
     assert _rejected(run_case(M, MINI_K, 6, "shared", seed=5, gu_unroll=unroll, _scale_bug=True))
 
+
+
+# ------------------------------------------------------------- the next add + RMSNorm in the reduce
+def _norm_fused_same(M, shape, w, kind, seed, weights=None, **kw):
+    """fused_moe_fp8(norm=(r, ln, eps, counter)) against the MoE then fused_add_rmsnorm on a copy of
+    the same residual: (residual equal, output equal, output's max difference in BF16 steps, counter
+    left zero). Both outputs start as NaN; the residual is BF16."""
+    from runtime.kernels import norm as N
+
+    H, I, E = shape["H"], shape["I"], shape["E"]
+    w13, s13, w2, s2 = weights if weights is not None else make_weights(H, I, E, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(w, H, generator=g).to(torch.bfloat16).to(_dev())
+    res = (torch.randn(w, H, generator=g) * 3).to(torch.bfloat16).to(_dev())
+    ln = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(_dev())
+    ids, tw = make_routing(w, E, kind, seed + 2)
+    m = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2)
+    res_a = res.clone()
+    out_a = torch.full((w, H), float("nan"), dtype=torch.bfloat16, device=_dev())
+    N.fused_add_rmsnorm(m, res_a, ln, 1e-6, out_a)
+    res_b = res.clone()
+    out_b = torch.full((w, H), float("nan"), dtype=torch.bfloat16, device=_dev())
+    cnt = torch.zeros(8, dtype=torch.int32, device=_dev())
+    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out_b, norm=(res_b, ln, 1e-6, cnt), **kw)
+    step = (out_a.float().abs() * 2.0 ** -7).clamp_min(1e-30)
+    steps = float(((out_b.float() - out_a.float()).abs() / step).max())
+    return torch.equal(res_a, res_b), torch.equal(out_a, out_b), steps, int(cnt.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
+def test_q1_shard_reduce_with_norm(w, kind):
+    """The reduce with the next add + RMSNorm fused gives the residual and the normalised output of
+    the two launches it replaces, bit for bit (the last program's sum of squares has the norm
+    kernel's layout); its counter is re-armed; the negative control (one block left out of the sum of
+    squares) moves the output by more than a BF16 step."""
+    M = load_kernels("moe")
+    res_ok, out_ok, steps, cnt_ok = _norm_fused_same(M, Q1, w, kind, seed=w, weights=_q1_weights())
+    assert res_ok and cnt_ok and out_ok, steps
+    _, out_bug, steps_bug, _ = _norm_fused_same(M, Q1, w, kind, seed=w, weights=_q1_weights(), _norm_bug=True)
+    assert not out_bug and steps_bug > 1.0, steps_bug
+
+
+@cpu_only
+def test_interp_reduce_with_norm():
+    M = load_kernels("moe")
+    res_ok, out_ok, steps, cnt_ok = _norm_fused_same(M, MINI, 6, "shared", seed=3)
+    assert res_ok and cnt_ok and steps <= 1.0, steps
+    _, _, steps_bug, _ = _norm_fused_same(M, MINI, 6, "shared", seed=3, _norm_bug=True)
+    assert steps_bug > 1.0, steps_bug
