@@ -225,12 +225,12 @@ class Round:
     def draft_first(self, st: DecodeState, w: int) -> None:
         """Depth 1 over the w rows of the last verification (row n holds the new token)."""
         P, n = st.prev_start, st.accepted
-        pos = P + 1 + torch.arange(w, device=st.tokens.device)
+        pos = P + torch.arange(1, w + 1, device=st.tokens.device)   # (one add: P + 1 + arange is two)
         g = self.model.mtp_forward(st.hidden[:w].to(self.model.dtype), st.emitted[:w], pos, self.cache, "decode")
         self._take_draft(st, g.index_select(0, n.view(1)), 1)
 
     def draft_next(self, st: DecodeState, k: int) -> None:
         """Depth k >= 2: one row at the position of draft k-1, on the draft layer's own output."""
-        pos = (st.start + k - 1).view(1)
+        pos = (st.start + (k - 1)).view(1)   # (one add on the device, not two)
         g = self.model.mtp_forward(st.g.to(self.model.dtype), st.tokens[k - 1].view(1), pos, self.cache, "decode")
         self._take_draft(st, g, k)
