@@ -27,7 +27,8 @@ so each residual add is fused with the norm that follows it (the reference's ``b
 ``x + attn(norm(x))`` then ``x + moe(norm(x))``: same values, rounded the same way, since the kernel
 rounds r to BF16 before normalising the stored value). The first norm of a pass, the MTP layer's
 ``enorm``/``hnorm`` (written straight into the halves of the EH input) and the LM-head norm use the
-same kernel with a zero residual that it neither reads nor writes (``rmsnorm``). ``start_pos`` is a device tensor (the rows' positions are
+same kernel with a zero residual that it neither reads nor writes (``rmsnorm``; the pass's first norm
+also gathers the embedding rows). ``start_pos`` is a device tensor (the rows' positions are
 consecutive by construction of the round), so no pass reads anything on the host.
 
 Sampling: :meth:`FastModel.sample_rows` is the hook :class:`~runtime.speculative.Round` uses for the
@@ -68,11 +69,11 @@ import torch
 from . import rng
 from .config import ConfigError, DraftConfig, KernelsConfig, ModelConfig, SamplingConfig, Shard
 from .kernels import attention as _attn
-from .kernels import round_state as _round
 from .kernels import linear as _linear
 from .kernels import moe as _moe
 from .kernels import norm as _norm
 from .kernels import rope as _rope
+from .kernels import round_state as _round
 from .kernels import router as _router
 from .kernels import sampler as _sampler
 from .kernels import uniform as _uniform
@@ -85,8 +86,9 @@ MAX_DECODE_ROWS = 8
 _BF16 = torch.bfloat16
 # Negative controls for the tests: a FastModel with one deliberately broken kernel argument.
 BROKEN = ("drop_sinks", "moe_scale_bug", "draft_logp_bug", "settle_stop_bug", "moe_norm_bug")
+# (the piece whose kernel each breaks; the settle kernel belongs to no selectable piece)
 _BROKEN_PIECE = {"drop_sinks": "attention", "moe_scale_bug": "moe", "draft_logp_bug": "sampler",
-                 "settle_stop_bug": None, "moe_norm_bug": "moe"}   # (the settle kernel belongs to no selectable piece)
+                 "settle_stop_bug": None, "moe_norm_bug": "moe"}
 
 
 def _keyword_options(*fns, drop=()) -> list[str]:
@@ -106,7 +108,8 @@ def kernel_options(kernels: KernelsConfig) -> tuple[dict, dict]:
     checks = (("attention_options", kernels.attention_options,
                _keyword_options(_attn.decode_attention_full, _attn.decode_attention_ring, drop=("out",)),
                "decode_attention_full/_ring"),
-              ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan, drop=("norm",)), "fused_moe_fp8 (moe_plan)"))
+              ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan, drop=("norm",)),
+               "fused_moe_fp8 (moe_plan)"))
     for what, given, allowed, fn in checks:
         unknown = sorted(k for k in given if k not in allowed)
         if unknown:
@@ -206,9 +209,11 @@ class FastModel(Model):
                              f"kernels.{_BROKEN_PIECE[broken]}=reference does not run")
         self.broken = broken
         # The pass's glue in the kernels: RoPE's tables in one launch per pass (rope_tables), a ring's
-        # slots computed inside rope_kv_write, norms without a zero residual tensor (about 70 torch
-        # launches fewer per q1 step). False restores the torch glue (bench_step.py --ab torch_glue;
-        # the same values).
+        # slots computed inside rope_kv_write, norms without a zero residual tensor, the embedding
+        # gather inside the norm after it, and the round's state updates (Round's take_draft and settle
+        # hooks, one launch each): about 250 torch launches fewer per q1 step, 2 % of its time
+        # (session 15). False restores the torch glue (bench_step.py --ab torch_glue; the same values
+        # except the draft entropy's last bit).
         self.fused_glue = True
         # RoPE's cos / sin tables computed inside rope_kv_write (FP64 libdevice cos / sin per program)
         # instead of once per pass in torch: the same values, but off by default (session 15, call 2:
