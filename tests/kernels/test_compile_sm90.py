@@ -33,7 +33,8 @@ def test_all_kernels_compile_for_sm90():
     assert {"_attn_split_kernel", "_attn_combine_kernel", "_attn_fused_kernel", "_moe_gate_up_kernel",
             "_moe_gate_up_v2_kernel", "_moe_down_v2_kernel",
             "_moe_down_kernel", "_moe_down_wide_kernel", "_moe_reduce_kernel", "_add_rmsnorm_kernel",
-            "_sample_kernel", "_rope_kv_kernel", "_router_kernel"} <= set(report["kernels"])
+            "_sample_kernel", "_rope_kv_kernel", "_router_kernel", "_rope_tables_kernel", "_take_draft_kernel",
+            "_settle_kernel"} <= set(report["kernels"])
 
 
 def test_ptx_marks_catch_an_option_that_changes_nothing():
@@ -57,3 +58,16 @@ def test_ptx_marks_catch_an_option_that_changes_nothing():
            (name, (1,), _K("cp.async.bulk.tensor.2d"), dict(TMA=False)),
            (name, (1,), _K("ld.global"), dict(PDL=True))]
     assert len(ptx_problems(bad)) == 3
+
+
+def test_stack_allowance_only_for_the_fp64_trig_launches():
+    """The compile check allows a stack frame (libdevice's FP64 cos / sin reduction) only in the RoPE
+    launches that call those functions; any other kernel's stack is still reported (negative side)."""
+    sys.path.insert(0, HERE)
+    try:
+        from _sm90_compile import _fp64_trig
+    finally:
+        sys.path.remove(HERE)
+    assert _fp64_trig("_rope_tables_kernel", {}) and _fp64_trig("_rope_kv_kernel", {"ANGLES": True})
+    assert not _fp64_trig("_rope_kv_kernel", {"ANGLES": False}) and not _fp64_trig("_rope_kv_kernel", {})
+    assert not _fp64_trig("_linear_kernel", {"ANGLES": True})
