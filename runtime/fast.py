@@ -259,6 +259,11 @@ class FastModel(Model):
                 raise ConfigError(f"kernels.linear=fast: {why}; set kernels.linear=reference")
         self._linear_counter = torch.zeros(n_max // 16, dtype=torch.int32, device=dev)
 
+    def _has_peers(self) -> bool:
+        """Other ranks exist whose data this rank's result needs (real tensor parallelism; under rank
+        emulation the collectives are counted no-ops)."""
+        return self.comm.size > 1 and not getattr(self.comm, "emulated", False)
+
     # ---- caches -------------------------------------------------------------------------------------
     def new_cache(self, capacity: int, dtype=None) -> ModelCache:
         if dtype is not None and dtype != _BF16:
@@ -297,8 +302,7 @@ class FastModel(Model):
         (``rmsnorm`` gathering the rank's embedding rows) with the fused glue where no peer's rows are
         needed (one rank, or rank emulation: the all-reduce is then still counted as excluded);
         otherwise the reference's ``embed_tokens`` and the norm."""
-        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
-        if self.kernels.norm == "fast" and self.fused_glue and not peers:
+        if self.kernels.norm == "fast" and self.fused_glue and not self._has_peers():
             out = _norm.rmsnorm(self.embed, w, self.cfg.rms_norm_eps, out, x_out=x_out, ids=tokens,
                                 vocab_start=self.shard.vocab_start, vocab_size=self.shard.vocab_size)
             if self.shard.tp_size > 1:      # the all-reduce the reference's embed_tokens does (a no-op
@@ -389,8 +393,8 @@ class FastModel(Model):
     def _moe_norm_fusable(self) -> bool:
         """Whether the MoE's reduce may also do the next residual add + RMSNorm (``fuse_moe_norm``):
         fast MoE (v1) and norm kernels, and no peer whose partial sums the add must wait for."""
-        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
-        return (self.fuse_moe_norm and self.kernels.moe == "fast" and self.kernels.norm == "fast" and not peers
+        return (self.fuse_moe_norm and self.kernels.moe == "fast" and self.kernels.norm == "fast"
+                and not self._has_peers()
                 and self._moe_options.get("variant", _moe.MOE_VARIANT) == "v1")
 
     def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None,
@@ -495,8 +499,7 @@ class FastModel(Model):
         sampler's kernel on the draft row's logits, then one launch (``take_draft``) for the state
         writes of Round._take_draft (tokens, proposal, g, log-probability, entropy, depth, log column,
         the policy's decision); returns True. False (the round's torch sequence runs) otherwise."""
-        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
-        if self.kernels.sampler == "reference" or peers or not self.fused_glue or logits.shape[0] != 1:
+        if self.kernels.sampler == "reference" or self._has_peers() or not self.fused_glue or logits.shape[0] != 1:
             return False
         ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
                                                          s.top_k, s.top_p)
@@ -515,8 +518,7 @@ class FastModel(Model):
         the served distribution of each row and its draw with the uniforms u [T] (u None: the draw is
         meaningless, only the distribution is wanted)."""
         T = logits.shape[0]
-        peers = self.comm.size > 1 and not getattr(self.comm, "emulated", False)
-        if self.kernels.sampler == "reference" or peers:
+        if self.kernels.sampler == "reference" or self._has_peers():
             ids, probs = filter_dist(logits, s.temperature, s.top_k, s.top_p, self.shard.vocab_start, self.comm)
             if u is None:
                 return ids, probs, ids[:, 0], torch.zeros_like(ids[:, 0])
