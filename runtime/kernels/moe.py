@@ -56,6 +56,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from .norm import rms_scale
 
 # Rows per expert group: at most w <= 8 pairs share an expert (each row picks 8 distinct experts);
 # the tensor-core product needs M >= 16.
@@ -392,9 +393,8 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
                 ss = tl.sum(tl.where(full < H - BLOCK_H, rr * rr, 0.0), 0)
             else:
                 ss = tl.sum(rr * rr, 0)
-            inv = tl.math.rsqrt(ss / H + eps)
-            wt = tl.load(WT + full, mask=fok, other=0.0).to(tl.float32)
-            tl.store(OUT + r * stride_om + full, (rr * inv * wt).to(OUT.dtype.element_ty), mask=fok)
+            tl.store(OUT + r * stride_om + full, rms_scale(rr, ss, WT, full, fok, H, eps).to(OUT.dtype.element_ty),
+                     mask=fok)
             tl.atomic_xchg(CNT + r, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
     else:
         tl.store(OUT + r * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)

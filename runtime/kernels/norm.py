@@ -34,6 +34,14 @@ NUM_WARPS = 16
 PDL = True
 
 
+@triton.jit
+def rms_scale(r, ss, WT, offs, ok, H: tl.constexpr, eps):
+    """r * rsqrt(ss / H + eps) * weight[offs] in FP32 (r: the stored row in FP32, ss: its sum of
+    squares): the normalisation every RMSNorm kernel here ends with (also the MoE reduce's)."""
+    inv = tl.math.rsqrt(ss / H + eps)
+    return r * inv * tl.load(WT + offs, mask=ok, other=0.0).to(tl.float32)
+
+
 @triton.jit(launch_metadata=launch_signature)
 def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, IDS, stride_x, stride_r, stride_o, stride_o16, eps, VSTART, VSIZE,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr,
@@ -65,9 +73,7 @@ def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, IDS, stride_x, stride_r, stride_
         ss = tl.sum(x * x, 0)
     else:
         ss = tl.sum(r * r, 0)
-    inv = tl.math.rsqrt(ss / H + eps)
-    wt = tl.load(WT + offs, mask=ok, other=0.0).to(tl.float32)
-    y = r * inv * wt
+    y = rms_scale(r, ss, WT, offs, ok, H, eps)
     o = y.to(OUT.dtype.element_ty)
     tl.store(OUT + row * stride_o + offs, o, mask=ok)
     if HAS16:   # the stored values, as FP16 (ROUND16_BUG, negative control: FP32 -> FP16 directly)

@@ -42,6 +42,16 @@ from ._common import check, launch_signature, next_pow2, pdl_supported
 PDL = True
 
 
+@triton.jit
+def _cos_sin(POS, INVF, t, offs, half: tl.constexpr, ANGLE_BUG: tl.constexpr):
+    """The reference's RoPE tables at row t: FP64 angle float64(position) * inv_freq[offs mod half],
+    FP64 cos / sin (libdevice), rounded to FP32. ANGLE_BUG (negative control): the angle in FP32."""
+    ang = tl.load(POS + t).to(tl.float64) * tl.load(INVF + offs % half)
+    if ANGLE_BUG:
+        ang = ang.to(tl.float32).to(tl.float64)
+    return libdevice.cos(ang).to(tl.float32), libdevice.sin(ang).to(tl.float32)
+
+
 @triton.jit(launch_metadata=launch_signature)
 def _rope_kv_kernel(QKV, COS, SIN, QOUT, KC, VC, SLOT, POS, LABELS, INVF, RING_R,
                     stride_t, stride_ct, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
@@ -70,12 +80,8 @@ def _rope_kv_kernel(QKV, COS, SIN, QOUT, KC, VC, SLOT, POS, LABELS, INVF, RING_R
             rot = tl.where(offs < half, partner, -partner)
         else:
             rot = tl.where(offs < half, -partner, partner)
-        if ANGLES:   # the reference's tables: FP64 angle, FP64 cos / sin, then FP32
-            ang = tl.load(POS + t).to(tl.float64) * tl.load(INVF + offs % half)
-            if ANGLE_BUG:   # negative control: the angle in FP32
-                ang = ang.to(tl.float32)
-            c = libdevice.cos(ang).to(tl.float32)
-            s = libdevice.sin(ang).to(tl.float32)
+        if ANGLES:   # the reference's tables, computed here
+            c, s = _cos_sin(POS, INVF, t, offs, half, ANGLE_BUG)
         else:
             c = tl.load(COS + t * stride_ct + offs)
             s = tl.load(SIN + t * stride_ct + offs)
@@ -96,11 +102,9 @@ def _rope_kv_kernel(QKV, COS, SIN, QOUT, KC, VC, SLOT, POS, LABELS, INVF, RING_R
 def _rope_tables_kernel(POS, INVF, COS, SIN, stride_t, D: tl.constexpr, ANGLE_BUG: tl.constexpr = False):
     t = tl.program_id(0)
     offs = tl.arange(0, D)
-    ang = tl.load(POS + t).to(tl.float64) * tl.load(INVF + offs % (D // 2))
-    if ANGLE_BUG:   # negative control: the angle rounded to FP32
-        ang = ang.to(tl.float32).to(tl.float64)
-    tl.store(COS + t * stride_t + offs, libdevice.cos(ang).to(tl.float32))
-    tl.store(SIN + t * stride_t + offs, libdevice.sin(ang).to(tl.float32))
+    c, s = _cos_sin(POS, INVF, t, offs, D // 2, ANGLE_BUG)
+    tl.store(COS + t * stride_t + offs, c)
+    tl.store(SIN + t * stride_t + offs, s)
 
 
 def rope_tables(positions, inv_freq, *, _angle_bug=False):
