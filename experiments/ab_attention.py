@@ -88,6 +88,14 @@ CONFIGS = {
     "trigger_pf8": dict(_combine_trigger=True, prefetch=8),
     # the split launched plainly: no overlap with the previous call (its latency, not its throughput)
     "iso": dict(_split_pdl=False),
+    # session 16: splits of at most 0 (off) / 1 / 2 / 8 key blocks request their first block's K and V
+    # before Q (kv_first); the baseline again (calls 2-3 of session 16: the first config of a run
+    # measured up to ~5 % slower than identical code at 64K, so compare against this too)
+    "default_again": {},
+    "kv_first0": dict(kv_first=0),
+    "kv_first1": dict(kv_first=1),
+    "kv_first2": dict(kv_first=2),
+    "kv_first8": dict(kv_first=8),
     **{p: None for p in PROBES},
 }
 

@@ -245,6 +245,12 @@ AB_VARIANTS = {
     # the attention combine releases the output projection at its start (attention option release_next)
     "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                      "release_next": True}),
+    # attention splits of at most N key blocks (every split of a 4K ring or an 8K cache has one)
+    # request their first block's K and V before Q and take the masked path (kv_first; session 16,
+    # default 1); attn_kv_first0 is the way before it
+    "attn_kv_first1": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options, "kv_first": 1}),
+    "attn_kv_first2": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options, "kv_first": 2}),
+    "attn_kv_first0": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options, "kv_first": 0}),
     # the pass's glue in torch: RoPE tables (eight launches per pass), ring slots, the embedding gather
     # as torch launches, norms with a zero residual tensor (FastModel.fused_glue off; it also turns the
     # one-launch draft update off)

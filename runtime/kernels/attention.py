@@ -106,6 +106,13 @@ TAIL_PREFETCH = True   # session 12 (paired A/B): 4K 0.938 / 0.961, 64K 0.980 / 
 # dimensions flatten to [nkv * slots, d] rows). Off: session 12's paired A/B measured 64K / 192K
 # within noise of the pointer loads (4K 0.96-0.97), so the simpler path stays.
 TMA = False
+# v2: a split of at most KV_FIRST key blocks loads its first block's K and V before Q and takes the
+# masked path (keyword kv_first; 0: off). The pipelined loop issues its first loads only after Q's
+# load and shared-memory store: two round trips where one suffices. Session 16 (H200, q1 step A/B,
+# alternating graphs): 1 and 2 both 0.995 of the step's time at 8K (every split of a 4K ring or an
+# 8K cache has one block), within noise at 64K; 8 made the 64K call 1.5x slower (eight unpipelined
+# blocks).
+KV_FIRST = 1
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -176,10 +183,11 @@ def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo, seq_end, b, m_i, l_i,
-                  acc, WINDOW, R, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One key block with every mask (range end, causal boundary, window, ring slots): the online
-    softmax state (m, l, acc) after key block ``b`` of the logical range starting at ``lo``."""
+def _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b, R, IS_RING: tl.constexpr,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Key block ``b`` of the logical range starting at ``lo``: its K and V tiles (keys past the
+    range's end read as zeros; ring slots pos % R), positions and validity. Both loads are issued
+    before either is used, so the block costs one memory round trip, not two."""
     offs_d = tl.arange(0, HEAD_DIM)
     pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = pos < seq_end
@@ -189,6 +197,15 @@ def _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
         slot = pos
     k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
                 mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    return k, v, pos, key_ok
+
+
+@triton.jit
+def _masked_update(q, q_pos, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc, WINDOW, IS_RING: tl.constexpr):
+    """The online softmax state (m, l, acc) after one key block with every mask (range end, causal
+    boundary, window)."""
     s = tl.dot(q, tl.trans(k)) * qk_scale_log2
     vis = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
     if IS_RING:
@@ -198,10 +215,19 @@ def _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                mask=key_ok[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo, seq_end, b, m_i, l_i,
+                  acc, WINDOW, R, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One key block with every mask (range end, causal boundary, window, ring slots): the online
+    softmax state (m, l, acc) after key block ``b`` of the logical range starting at ``lo`` (K and V
+    requested together: until session 16 V's load followed QK^T, a second round trip)."""
+    k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b, R, IS_RING,
+                                   BLOCK_N, HEAD_DIM)
+    return _masked_update(q, q_pos, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc, WINDOW, IS_RING)
 
 
 @triton.jit
@@ -343,6 +369,7 @@ def _attn_split_v2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
+    KV_FIRST: tl.constexpr = 0,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -354,6 +381,9 @@ def _attn_split_v2_kernel(
     immediately before the call. ``TAIL_PREFETCH``: the split owning the boundary (masked) blocks
     asks L2 for them at its start (coherent: rows the previous kernel is still writing are updated
     in L2). ``TMA``: the unmasked loop's K/V tiles come through the descriptors ``KD`` / ``VD``.
+    ``KV_FIRST`` (keyword ``kv_first``): a split of at most KV_FIRST key blocks (every split of a
+    4K ring or an 8K cache) requests its first block's K and V before Q and runs every block with
+    the masks: Q's round trip, which precedes the pipelined loop's first loads, overlaps the K/V one.
     ``TIMELINE``: diagnostic records into ``TL`` (see TIMELINE_FIELDS)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -379,12 +409,25 @@ def _attn_split_v2_kernel(
         gdc_wait()
         gdc_launch_dependents()
     _stamp(TL, prog, 2, TIMELINE)
-    q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
-    if b_begin < b_end:
-        _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
-                          stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
-                          qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
-                          IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA)
+    if b_begin < b_end and b_end - b_begin <= KV_FIRST:   # short split: K/V, then Q, all masked
+        k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
+        k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R, IS_RING,
+                                       BLOCK_N, HEAD_DIM)
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
+        m_i, l_i, acc = _masked_update(q, start + row_i, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc,
+                                       WINDOW, IS_RING)
+        for b in tl.range(b_begin + 1, b_end, num_stages=1):
+            m_i, l_i, acc = _masked_block(q, start + row_i, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
+                                          lo, seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
+        _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
+                       m_i, l_i, acc, BLOCK_M, HEAD_DIM)
+    else:
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
+        if b_begin < b_end:
+            _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
+                              stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
+                              qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
+                              IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA)
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -589,7 +632,8 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             combine_block_d=None, combine_block_s=None, pdl=None, prefetch=None, min_block_m=None,
             _drop_last=False,
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
-            _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None):
+            _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
+            kv_first=None):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -672,7 +716,8 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
         kd, vd = _kv_descriptors(k, v, block_n)
     split_kernel, extra = ((_attn_split_v2_kernel, dict(PDL=pdl, MID_BUG=bool(_mid_bug), PREFETCH=prefetch,
                                                         TIMELINE=timeline, TAIL_PREFETCH=tail_prefetch,
-                                                        KD=kd, VD=vd, TMA=kd is not None))
+                                                        KD=kd, VD=vd, TMA=kd is not None,
+                                                        KV_FIRST=KV_FIRST if kv_first is None else int(kv_first)))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -714,7 +759,8 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
 
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
-                          tma=None, combine_num_warps=None, combine_one_load=None, release_next=None):
+                          tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
+                          kv_first=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -734,16 +780,19 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     the combine releases the kernel after the call at its start (griddepcontrol.launch_dependents), for
     a successor that is a programmatic dependent; off by default (the q1 step measured 0.6-0.8 %
     slower with it, session 14), and the benchmarks time a call without overlap with the next.
+    ``kv_first`` (v2): splits of at most this many key blocks request K/V before Q (None: KV_FIRST).
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
-                   combine_one_load=combine_one_load, _combine_trigger=bool(release_next))
+                   combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
+                   kv_first=kv_first)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
-                          tma=None, combine_num_warps=None, combine_one_load=None, release_next=None):
+                          tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
+                          kv_first=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -752,7 +801,8 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
     return _launch(q, k_ring, v_ring, start_pos, sinks, out, ring=True, window=int(window),
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
-                   combine_one_load=combine_one_load, _combine_trigger=bool(release_next))
+                   combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
+                   kv_first=kv_first)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

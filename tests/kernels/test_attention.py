@@ -129,7 +129,8 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
 
 
 V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
-              dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8)]
+              dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8),
+              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0)]
 
 
 @pytest.mark.gpu
@@ -149,7 +150,8 @@ def test_full_and_ring_q1_v2_options(w, ctx, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("edge", range(4))
-@pytest.mark.parametrize("opts", V2_OPTIONS[:2], ids=["tma", "no_tail_prefetch"])
+@pytest.mark.parametrize("opts", V2_OPTIONS[:2] + V2_OPTIONS[5:7],
+                         ids=["tma", "no_tail_prefetch", "kv_first1", "kv_first3"])
 def test_v2_options_split_boundaries(edge, opts):
     A = load_kernels("attention")
     ctx = _split_edges(A)[edge]
@@ -346,8 +348,9 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 
 
 @cpu_only
-@pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8)],
-                         ids=["tma", "two_loads", "combine_8warps"])
+@pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
+                                  dict(kv_first=1), dict(kv_first=4), dict(kv_first=0)],
+                         ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0"])
 def test_interp_v2_options(opts):
     """TMA tiles (the interpreter runs descriptor loads) and the two-round-trip combine, full and
     ring, with the sinkless negative control."""
