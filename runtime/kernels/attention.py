@@ -22,6 +22,9 @@ device value, so the launch can be captured in a CUDA graph):
   mask (key j visible to row i iff j <= p_i, and for the ring also j > p_i - window), online softmax
   with FP32 running max ``m``, FP32 running denominator ``l`` and FP32 accumulator
   ``acc += P V`` (P rounded to BF16 for the tensor-core product).
+* v2 (the default) runs the blocks wholly below start_pos in a software-pipelined loop without
+  masks, and a split of at most KV_FIRST blocks (every split of a 4K ring or an 8K cache) requests
+  its first block's K and V before Q, so its loads cost one memory round trip, not Q's then K/V's.
 * It writes its un-normalised partial (acc, m, l) for the valid packed rows; empty splits write
   nothing. The running max starts at a finite -1e30, so a row that sees no key in a split keeps
   l = 0 and acc = 0 without NaNs.
