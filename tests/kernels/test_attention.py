@@ -352,8 +352,9 @@ def test_interp_v2_mid_bug_is_caught(w, start):
                                   dict(kv_first=1), dict(kv_first=4), dict(kv_first=0)],
                          ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0"])
 def test_interp_v2_options(opts):
-    """TMA tiles (the interpreter runs descriptor loads) and the two-round-trip combine, full and
-    ring, with the sinkless negative control."""
+    """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine and the short
+    splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full
+    shape's; 0: off), full and ring, with the sinkless negative control."""
     A = load_kernels("attention")
     kw = dict(num_splits=3, variant="v2", **opts)
     assert run_full(A, MINI, 8, 700, seed=3, **kw) < TOL
