@@ -4,9 +4,9 @@
                                                 [--widths 6] [--rounds 30] [--dry-run]
 
 Each config gets one CUDA graph holding one call per rotating input set (>= 3x L2 of KV, exactly as
-``bench_kernels.py`` times them); every round replays every config's graph once, in an order that
-rotates from round to round, so slow drifts of the machine (clocks, temperature, neighbours) fall on
-all configs alike. Per shape and config it prints the median time per call, the fraction of the
+``bench_kernels.py`` times them); every round replays every config's graph once, in a fresh (seeded)
+random order, so slow drifts of the machine (clocks, temperature, neighbours) and the after-effects of
+one replay on the next (a probe's dirty L2 lines) fall on all configs alike. Per shape and config it prints the median time per call, the fraction of the
 device-to-device copy bandwidth (KV + q/out bytes, as bench_kernels.py), and against the first config
 the median of the per-round ratios with their 10-90 % range: a difference is only worth acting on
 when that range excludes 1. The floor probes ``copy``, ``read`` and ``read2`` (see ``probe_calls``)
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 
@@ -139,7 +140,11 @@ def main():
             times = {n: [] for n in names}
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in names]
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
+                # A fresh order every round (seeded): with a rotation each config always followed the
+                # same one, and the config after the `copy` probe read 4-8 % slow at 64K / 192K (the
+                # probe's 32 MiB of dirty L2 lines are written back during the next replay; session 16,
+                # calls 1-7). Shuffled, every config follows every other about equally often.
+                order = random.Random(r).sample(names, len(names))
                 for (e0, e1), n in zip(ev, order):
                     e0.record()
                     graphs[n].replay()
