@@ -417,10 +417,10 @@ def _attn_split_v2_kernel(
         k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R, IS_RING,
                                        BLOCK_N, HEAD_DIM)
         q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
-        m_i, l_i, acc = _masked_update(q, start + row_i, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc,
-                                       WINDOW, IS_RING)
+        q_pos = start + row_i
+        m_i, l_i, acc = _masked_update(q, q_pos, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc, WINDOW, IS_RING)
         for b in tl.range(b_begin + 1, b_end, num_stages=1):
-            m_i, l_i, acc = _masked_block(q, start + row_i, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
+            m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
                                           lo, seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
         _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
                        m_i, l_i, acc, BLOCK_M, HEAD_DIM)

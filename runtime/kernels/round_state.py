@@ -113,6 +113,14 @@ def take_draft(st, ids, probs, token, index, g, k: int, cont_mode: int, *, vocab
     )
 
 
+@triton.jit
+def _emitted(TOKENS, n, nxt, j, W: tl.constexpr):
+    """The emitted token at index j of a width-W verification with n accepted drafts: draft j
+    (tokens[1 + j]) below n, nxt at n and at W - 1 (past n nothing is emitted; the value is kept)."""
+    return tl.where(j == n, nxt, tl.where(j < W - 1, tl.load(TOKENS + 1 + j, mask=(j >= 0) & (j < W - 1),
+                                                             other=0), nxt))
+
+
 @triton.jit(launch_metadata=launch_signature)
 def _settle_kernel(TOKENS, N, NXT, HIN, HID, STOP, OUT, NOUT, BUDGET, DONE, LOG, STEP, START, PREV, ACC, EMITTED,
                    NDRAFTS, stride_hin, stride_hid, stride_log, log_rows,
@@ -133,7 +141,7 @@ def _settle_kernel(TOKENS, N, NXT, HIN, HID, STOP, OUT, NOUT, BUDGET, DONE, LOG,
         nxt = tl.load(NXT)
         i = tl.arange(0, WP)
         iv = i < W
-        em = tl.where(i == n, nxt, tl.where(i < W - 1, tl.load(TOKENS + 1 + i, mask=i < W - 1, other=0), nxt))
+        em = _emitted(TOKENS, n, nxt, i, W)
         s = tl.arange(0, SP)
         stops = tl.load(STOP + s, mask=s < S, other=0)
         hit = tl.sum(((em[:, None] == stops[None, :]) & (s[None, :] < S)).to(tl.int32), 1) > 0
@@ -154,9 +162,7 @@ def _settle_kernel(TOKENS, N, NXT, HIN, HID, STOP, OUT, NOUT, BUDGET, DONE, LOG,
         step = tl.load(STEP)
         c = tl.arange(0, COLS_P)
         j = c - C_TOK
-        tok_j = tl.where(j == n, nxt, tl.where(j < W - 1, tl.load(TOKENS + 1 + j, mask=(j >= 0) & (j < W - 1),
-                                                                      other=0), nxt))
-        row = tl.where((j >= 0) & (j < W), tok_j, 0)
+        row = tl.where((j >= 0) & (j < W), _emitted(TOKENS, n, nxt, j, W), 0)
         row = tl.where(c == C_WIDTH, W, row)
         row = tl.where(c == C_DRAFTS, W - 1, row)
         row = tl.where(c == C_ACC, n, row)
