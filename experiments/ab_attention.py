@@ -9,8 +9,8 @@ random order, so slow drifts of the machine (clocks, temperature, neighbours) an
 one replay on the next (a probe's dirty L2 lines) fall on all configs alike. Per shape and config it prints the median time per call, the fraction of the
 device-to-device copy bandwidth (KV + q/out bytes, as bench_kernels.py), and against the first config
 the median of the per-round ratios with their 10-90 % range: a difference is only worth acting on
-when that range excludes 1. The floor probes ``copy``, ``read`` and ``read2`` (see ``probe_calls``)
-move the same KV bytes without computing attention: what one call moving them costs here.
+when that range excludes 1. The floor probes ``copy``, ``read``, ``read2``, ``tsum`` and ``sol{m}_{rows}`` (see
+``probe_calls``) move the same KV bytes without computing attention: what one call moving them costs here.
 $OUT/ab_attention.json/.csv hold every round's times.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import statistics
 import sys
 
@@ -49,12 +50,44 @@ def _stream_read_kernel(K, V, OUT, n_keys, per_split, BLOCK_N: tl.constexpr, D: 
     tl.store(OUT + pid, tl.sum(acc))
 
 
+@triton.jit
+def _sol_read_kernel(K, V, OUT, START, W, NUM_PROGS, CHUNK: tl.constexpr, D: tl.constexpr):
+    """Speed-of-light probe (session 17): what any one-launch reader of these bytes needs. Program p
+    reads start_pos (as the split kernel must), derives the valid extent [0, start_pos + W) and reads
+    its share of K and V rows in CHUNK-row tiles, one K and one V tile in flight per iteration
+    (CHUNK x D x 2 B each; no software pipeline: the loop is launched with one stage), and writes one
+    sum. No attention arithmetic, no partials, no merge."""
+    pid = tl.program_id(0)
+    n_keys = tl.load(START).to(tl.int32) + W
+    per = tl.cdiv(tl.cdiv(n_keys, CHUNK), NUM_PROGS) * CHUNK
+    r0 = pid * per
+    r1 = tl.minimum(r0 + per, n_keys)
+    rows = tl.arange(0, CHUNK)
+    offs = rows[:, None] * D + tl.arange(0, D)[None, :]
+    acc = tl.zeros([D], tl.float32)
+    for r in range(r0, r1, CHUNK):
+        ok = (r + rows < r1)[:, None]
+        k = tl.load(K + r * D + offs, mask=ok, other=0.0)
+        v = tl.load(V + r * D + offs, mask=ok, other=0.0)
+        acc += tl.sum(k.to(tl.float32), 0) + tl.sum(v.to(tl.float32), 0)
+    tl.store(OUT + pid * D + tl.arange(0, D), acc)
+
+
 def probe_calls(name, data, n_keys, d):
     """Calls of a floor probe over the same rotating sets: ``copy`` (torch copies the valid K rows
     into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
     with one / two programs per SM)."""
     if name == "copy":
         return copy_same_calls(data, n_keys)
+    if name == "tsum":   # torch's own reductions read the valid K and V rows (two launches)
+        return [(lambda k=k, v=v: (k[:, :n_keys].sum(), v[:, :n_keys].sum())) for _, k, v, _, _, _ in data]
+    sol = re.fullmatch(r"sol(\d+)_(\d+)", name)
+    if sol:   # _sol_read_kernel with (first number) programs per SM and (second) rows per tile
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+        grid, chunk = sms * int(sol.group(1)), int(sol.group(2))
+        return [(lambda k=k, v=v, sp=sp, w=q.shape[0], out=torch.empty(grid, d, device=k.device):
+                 _sol_read_kernel[(grid,)](k, v, out, sp, w, grid, CHUNK=chunk, D=d, num_warps=8, num_stages=1))
+                for q, k, v, _, sp, _ in data]
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
     grid = sms * (2 if name == "read2" else 1)
     per = triton.cdiv(triton.cdiv(n_keys, A.BLOCK_N), grid)
@@ -64,7 +97,7 @@ def probe_calls(name, data, n_keys, d):
 
 
 # Floor probes (not attention): what reading these bytes costs in one call, timed the same way.
-PROBES = ("copy", "read", "read2")
+PROBES = ("copy", "read", "read2", "tsum") + tuple(f"sol{m}_{c}" for m in (1, 2, 4) for c in (64, 128, 256))
 
 CONFIGS = {
     "default": {},
