@@ -9,7 +9,7 @@ random order, so slow drifts of the machine (clocks, temperature, neighbours) an
 one replay on the next (a probe's dirty L2 lines) fall on all configs alike. Per shape and config it prints the median time per call, the fraction of the
 device-to-device copy bandwidth (KV + q/out bytes, as bench_kernels.py), and against the first config
 the median of the per-round ratios with their 10-90 % range: a difference is only worth acting on
-when that range excludes 1. The floor probes ``copy``, ``read``, ``read2``, ``tsum`` and ``sol{m}_{rows}`` (see
+when that range excludes 1. The floor probes ``copy``, ``read``, ``read2``, ``tsum``, ``sol{m}_{rows}`` and ``solf{rows}_w{warps}`` (see
 ``probe_calls``) move the same KV bytes without computing attention: what one call moving them costs here.
 $OUT/ab_attention.json/.csv hold every round's times.
 """
@@ -73,6 +73,29 @@ def _sol_read_kernel(K, V, OUT, START, W, NUM_PROGS, CHUNK: tl.constexpr, D: tl.
     tl.store(OUT + pid * D + tl.arange(0, D), acc)
 
 
+@triton.jit
+def _sol_flat_kernel(K, V, OUT, START, W, CHUNK: tl.constexpr, D: tl.constexpr, HOST: tl.constexpr = False,
+                     CACHE: tl.constexpr = ""):
+    """Speed-of-light probe, flat: one program per CHUNK-row tile of the capacity (a fixed grid, as
+    a captured launch needs); programs past the valid extent [0, start_pos + W) exit after reading
+    start_pos, the others read their K and V tile and write one sum. Many small programs per SM, all
+    loads in flight at once: the shape of torch's copy kernel. ``HOST``: the extent is the argument W
+    (no start_pos load: what that dependent load costs); ``CACHE``: the tiles' cache modifier."""
+    pid = tl.program_id(0)
+    if HOST:
+        n_keys = W
+    else:
+        n_keys = tl.load(START).to(tl.int32) + W
+    r0 = pid * CHUNK
+    if r0 < n_keys:
+        rows = tl.arange(0, CHUNK)
+        offs = (r0 + rows)[:, None] * D + tl.arange(0, D)[None, :]
+        ok = (r0 + rows < n_keys)[:, None]
+        k = tl.load(K + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+        v = tl.load(V + offs, mask=ok, other=0.0, cache_modifier=CACHE)
+        tl.store(OUT + pid * D + tl.arange(0, D), tl.sum(k.to(tl.float32), 0) + tl.sum(v.to(tl.float32), 0))
+
+
 def probe_calls(name, data, n_keys, d):
     """Calls of a floor probe over the same rotating sets: ``copy`` (torch copies the valid K rows
     into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
@@ -81,6 +104,16 @@ def probe_calls(name, data, n_keys, d):
         return copy_same_calls(data, n_keys)
     if name == "tsum":   # torch's own reductions read the valid K and V rows (two launches)
         return [(lambda k=k, v=v: (k[:, :n_keys].sum(), v[:, :n_keys].sum())) for _, k, v, _, _, _ in data]
+    flat = re.fullmatch(r"solf(\d+)_w(\d+)(_host|_cg)?", name)
+    if flat:   # _sol_flat_kernel with (first number) rows per tile and (second) warps per program;
+        # _host: the extent passed from the host (no start_pos load), _cg: loads cached in L2 only
+        chunk, cap, opt = int(flat.group(1)), data[0][1].shape[1], flat.group(3)
+        grid = triton.cdiv(cap, chunk)
+        return [(lambda k=k, v=v, sp=sp, w=(n_keys if opt == "_host" else q.shape[0]),
+                 out=torch.empty(grid, d, device=k.device):
+                 _sol_flat_kernel[(grid,)](k, v, out, sp, w, CHUNK=chunk, D=d, num_warps=int(flat.group(2)),
+                                           num_stages=1, HOST=opt == "_host", CACHE=".cg" if opt == "_cg" else ""))
+                for q, k, v, _, sp, _ in data]
     sol = re.fullmatch(r"sol(\d+)_(\d+)", name)
     if sol:   # _sol_read_kernel with (first number) programs per SM and (second) rows per tile
         sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
@@ -98,6 +131,8 @@ def probe_calls(name, data, n_keys, d):
 
 # Floor probes (not attention): what reading these bytes costs in one call, timed the same way.
 PROBES = ("copy", "read", "read2", "tsum") + tuple(f"sol{m}_{c}" for m in (1, 2, 4) for c in (64, 128, 256))
+PROBES += tuple(f"solf{c}_w{nw}" for c in (8, 16, 32, 64, 128) for nw in (1, 2, 4, 8))
+PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
 
 CONFIGS = {
     "default": {},

@@ -430,6 +430,14 @@ def bench_router(copy_bw, l2, sweep):
         torch_calls = [(lambda x=x, r=r: torch_route(x, r)) for (x, _), r in zip(data, r32)]
         record("router", f"E{E}_H{H}_w{w}", "default", calls, nbytes, copy_bw, ref_calls=torch_calls[:4])
         record("router", f"E{E}_H{H}_w{w}", "torch_in_graph", torch_calls, nbytes, copy_bw, eager=False)
+        # the router slice after the wait, in BLOCK_K steps (the way before session 17); in this chain of
+        # router calls each one's early launch overlaps the previous call, so the step's A/B
+        # (bench_step.py --ab router_weights_after) is the measure that counts
+        for name, kw in (("weights_after", dict(weights_first=False)), ("no_pdl", dict(pdl=False)),
+                         ("no_pdl_weights_after", dict(pdl=False, weights_first=False))):
+            record("router", f"E{E}_H{H}_w{w}", name,
+                   [(lambda x=x, r=r, o=o, kw=kw: RT.route_topk(x, r, 8, counter=cnt, ids=o[0], weights=o[1], **kw))
+                    for (x, r), o in zip(data, outs)], nbytes, copy_bw, eager=False)
         del data, r32
 
 

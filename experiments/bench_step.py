@@ -242,6 +242,9 @@ AB_VARIANTS = {
     # the router and Gate/Up launched plainly (not programmatic dependents of the norm / the router)
     "router_gu_plain": lambda rnd: _model_variant(rnd, moe_pdl=False, _moe_options={**rnd.model._moe_options,
                                                                                     "gu_pdl": False}),
+    # the router's slice streamed in BLOCK_K steps after its wait for the norm (the way before session
+    # 17) instead of loaded before it (route_topk weights_first)
+    "router_weights_after": lambda rnd: _model_variant(rnd, router_weights_first=False),
     # the attention combine releases the output projection at its start (attention option release_next)
     "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                      "release_next": True}),

@@ -236,6 +236,8 @@ class FastModel(Model):
         # the router and the MoE as programmatic dependents (None: the kernels' defaults); moe_options'
         # ``pdl`` sets both
         self.moe_pdl = self._moe_options.get("pdl")
+        # route_topk loads its router slice before waiting for the norm (None: router.WEIGHTS_FIRST)
+        self.router_weights_first = None
         self._qkv: dict[int, torch.Tensor] = {}
         nq, nk = sh.num_heads * d, sh.num_kv_heads * d
         for lw in self.layers + [m.layer for m in self.mtp]:
@@ -334,7 +336,8 @@ class FastModel(Model):
         otherwise torch with the FP32 router kept."""
         if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T:   # (the router is BF16)
             return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok,
-                                      counter=self._route_counter, pdl=self.moe_pdl)
+                                      counter=self._route_counter, pdl=self.moe_pdl,
+                                      weights_first=self.router_weights_first)
         r = self._router32.get(id(lw))
         if r is None:
             return super().route(lw, x)

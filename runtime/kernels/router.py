@@ -9,7 +9,8 @@ Algorithm (``_router_kernel``, grid (ceil(E / BLOCK_E), SPLIT_H))
 ------------------------------------------------------------------
 Program (e, s) computes the partial logits of experts [e * BLOCK_E, ...) for all rows over the s-th
 slice of H: BF16 x against the BF16 router rows (products exact in FP32, FP32 accumulation on the
-tensor cores), and stores them (FP32) to a workspace. Then it takes a ticket on an arrival counter
+tensor cores; by default the router slice is loaded before the program waits for the norm that
+writes x, see WEIGHTS_FIRST), and stores the live rows' partials (FP32) to a workspace. Then it takes a ticket on an arrival counter
 (release/acquire); the last program to arrive sums the SPLIT_H partials in split order (a fixed
 order: deterministic), selects per row the K largest logits with K max-reductions of the sampler's
 int64 keys (order-preserving value bits, then the inverted index: largest first, among equal logits
@@ -41,6 +42,13 @@ NUM_WARPS = 4
 # Programmatic dependent launch: the router launches while the norm before it runs, releases the MoE's
 # Gate/Up at its start and waits for the norm before reading x (sm_90+ CUDA; keyword pdl).
 PDL = True
+# Each program loads its whole router slice (BLOCK_E rows x one H slice, 24 KiB at q1) into registers
+# *before* griddepcontrol.wait, then x, then one product over the slice (keyword weights_first). The
+# router rows are weights, never written by the kernel before, so their DRAM round trip overlaps the
+# norm the router waits for instead of following it. Off: the slice streams in BLOCK_K steps after the
+# wait (the way until session 17). Same products in the same order (the slice is padded to a power of
+# two with zeros), so the same logits.
+WEIGHTS_FIRST = True
 
 
 @triton.jit(launch_metadata=launch_signature)
@@ -48,10 +56,8 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
                    H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, HS: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_H: tl.constexpr, E_POW2: tl.constexpr, ORDER_BUG: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()   # the norm's x from here
+                   PDL: tl.constexpr = False, WEIGHTS_FIRST: tl.constexpr = False,
+                   HS_POW2: tl.constexpr = 0):
     eb = tl.program_id(0)
     hs = tl.program_id(1)
     n_prog = tl.num_programs(0) * tl.num_programs(1)
@@ -61,15 +67,27 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
     e_ok = offs_e < E
     h_lo = hs * HS
     h_hi = tl.minimum(h_lo + HS, H)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for k0 in range(h_lo, h_hi, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+    if WEIGHTS_FIRST:   # the router slice before the wait (weights: no predecessor writes them)
+        kk = h_lo + tl.arange(0, HS_POW2)
         k_ok = kk < h_hi
-        x = tl.load(X + offs_t[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         r = tl.load(R + offs_e[:, None] * stride_r + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(r))
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()   # the norm's x from here
+    if WEIGHTS_FIRST:
+        x = tl.load(X + offs_t[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(r))
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for k0 in range(h_lo, h_hi, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < h_hi
+            x = tl.load(X + offs_t[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            r = tl.load(R + offs_e[:, None] * stride_r + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(r))
+    # only the T live rows' partials are stored and summed (BLOCK_T pads T to the product's M)
     part = PART + hs * (BLOCK_T * E_POW2)
-    tl.store(part + offs_t[:, None] * E_POW2 + offs_e[None, :], acc, mask=e_ok[None, :])
+    tl.store(part + offs_t[:, None] * E_POW2 + offs_e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
     # every thread's stores precede (bar.sync) the one release-add that publishes them
     tl.debug_barrier()
     ticket = tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
@@ -78,7 +96,7 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         logits = tl.zeros([BLOCK_T, E_POW2], tl.float32)
         for s in tl.static_range(SPLIT_H):
             logits += tl.load(PART + s * (BLOCK_T * E_POW2) + offs_t[:, None] * E_POW2 + offs_a[None, :],
-                              cache_modifier=".cg")
+                              mask=t_ok[:, None] & (offs_a < E)[None, :], other=0.0, cache_modifier=".cg")
         # the sampler's int64 keys: order-preserving bits of the value (+ 0.0: -0 and +0 tie), then the
         # index inverted, so that one max picks the largest value and, among equal ones, the lower
         # index (ORDER_BUG, negative control: the index not inverted, the higher first)
@@ -106,15 +124,16 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
 
 
-def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, pdl=None, _order_bug=False,
-               _poison=False):
+def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, pdl=None, weights_first=None,
+               _order_bug=False, _poison=False):
     """(ids [T, k] int32, weights [T, k] FP32) of the top-k experts of FP32 logits x @ router^T.
 
     x [T, H] BF16 (T <= 16), router [E, H] BF16 (E <= 1024, k a power of two <= E). ``counter``: an
     int32 device tensor holding zero, left zero by every call (pass a persistent one for CUDA-graph
     capture; otherwise one is zeroed per call). ``ids`` / ``weights``: outputs to write into.
     ``split_h``: H slices (default SPLIT_H). ``pdl``: programmatic dependent launch (default PDL;
-    sm_90+ CUDA only). ``_order_bug``: negative control of the tests (equal
+    sm_90+ CUDA only). ``weights_first``: the router slice loaded before the wait (default
+    WEIGHTS_FIRST; slices of at most 1024 columns, padded to a power of two, else the steps). ``_order_bug``: negative control of the tests (equal
     logits in the wrong order); ``_poison``: the partial-logit workspace starts as NaN (tests: a
     finalise that reads a partial before it is written shows)."""
     T, H, E = check_rows_by_weight(x, router, BLOCK_T, "x [T, H], router [E, H]")
@@ -138,11 +157,14 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
             else torch.empty(shape, dtype=torch.float32, device=dev))
     hs = triton.cdiv(triton.cdiv(H, split), BLOCK_K) * BLOCK_K   # H per slice, whole BLOCK_K steps
     use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
+    hs_pow2 = next_pow2(hs)
+    first = (WEIGHTS_FIRST if weights_first is None else bool(weights_first)) and hs_pow2 <= 1024
     _router_kernel[(triton.cdiv(E, BLOCK_E), split)](
         x, router, part, counter, ids, weights, x.stride(0), router.stride(0), ids.stride(0),
         weights.stride(0), T,
         H=H, E=E, K=k, HS=hs, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT_H=split,
-        E_POW2=e_pow2, ORDER_BUG=bool(_order_bug), PDL=use_pdl, num_warps=NUM_WARPS,
+        E_POW2=e_pow2, ORDER_BUG=bool(_order_bug), PDL=use_pdl, WEIGHTS_FIRST=first,
+        HS_POW2=hs_pow2 if first else 0, num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return ids, weights

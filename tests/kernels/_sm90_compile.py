@@ -81,6 +81,13 @@ def ptx_problems(sink) -> list[str]:
             other = key == "TAIL_PREFETCH" and kwargs.get("PREFETCH", 0) and kwargs.get("PDL")
             if bool(kwargs[key]) != (mark in ptx) and not (other and mark in ptx):
                 out.append(f"{name} {grid}: {key}={kwargs[key]} but {mark!r} {'absent' if kwargs[key] else 'present'}")
+        if name == "_router_kernel" and kwargs.get("PDL"):   # the router slice's loads precede the wait
+            lines = ptx.splitlines()
+            wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+            early = sum("ld.global" in ln for ln in lines[:wait])
+            if bool(kwargs.get("WEIGHTS_FIRST")) != (early > 0):
+                out.append(f"{name} {grid}: WEIGHTS_FIRST={kwargs.get('WEIGHTS_FIRST')} but {early} global "
+                           f"loads before griddepcontrol.wait")
     return out
 
 
@@ -179,8 +186,8 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             RS.settle(st, torch.tensor(1), torch.tensor(9), torch.randn(w, H).to(bf), w,
                       cols=dict(width=0, drafts=1, accepted=2, emitted=3, cache_len=4, done=6, tokens=8))
     for T, E, H in ((6, 128, 6144), (16, 32, 256)):                  # the router (q1, mini)
-        for bug in (False, True):
-            RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _order_bug=bug)
+        for bug, first in itertools.product((False, True), (False, True)):
+            RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _order_bug=bug, weights_first=first)
     for (N, K, bn, sk), pdl in itertools.product(((1024, 6144, 32, 4), (6144, 768, 64, 1), (512, 256, None, None),
                                                   (1024, 6144, 128, 1)), (True, False)):   # projections (q1: 132 SMs)
         LN.skinny_linear(torch.randn(6, K).to(bf), torch.randn(N, K).to(bf), block_n=bn, split_k=sk, pdl=pdl,

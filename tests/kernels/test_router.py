@@ -110,6 +110,34 @@ def test_splits(split_h):
     _check_against_reference(R, x, r, ids, wts)
 
 
+def _assert_weights_first_same(R, shape, T, exact):
+    """The router slice loaded before the wait (one product over the padded slice) against the
+    BLOCK_K steps after it: the same experts and weights (on the GPU bit for bit: the same products
+    in the same order). The check can fail: a router row then made to lead row 0 (a new router tensor,
+    same shapes) must come out first for row 0, so the path reads the router it is given."""
+    x, r = _inputs(shape, T, 7)
+    a_ids, a_w = _route(R, x, r, weights_first=True)
+    b_ids, b_w = _route(R, x, r, weights_first=False)
+    _check_against_reference(R, x, r, a_ids, a_w)
+    if exact:
+        assert torch.equal(a_ids, b_ids) and torch.equal(a_w, b_w)
+    else:
+        assert torch.equal(a_ids, b_ids) and torch.allclose(a_w, b_w, rtol=1e-6, atol=1e-7)
+    r2 = r.clone()
+    lead = (x[0].float() / x[0].float().norm() * 8).to(torch.bfloat16)
+    loser = next(e for e in range(shape["E"]) if e not in a_ids[0].tolist())
+    r2[loser] = lead
+    c_ids, _ = _route(R, x, r2, weights_first=True)
+    assert int(c_ids[0, 0].item()) == loser and not torch.equal(c_ids, a_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 6, 8])
+@pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
+def test_weights_first_same_as_steps(shape, T):
+    _assert_weights_first_same(load_kernels("router"), shape, T, exact=True)
+
+
 @pytest.mark.gpu
 def test_ties_lower_index_first_and_negative_control():
     _assert_tie_order_and_control(load_kernels("router"), Q1)
@@ -150,6 +178,12 @@ def test_stale_counter_is_caught():
 def test_interp_matches_reference(T):
     R = load_kernels("router")
     _cases(R, MINI, T, seed=T)   # asserts the selection and weights (exact agreement is counted on the GPU)
+
+
+@cpu_only
+@pytest.mark.parametrize("T", [1, 6])
+def test_interp_weights_first_same_as_steps(T):
+    _assert_weights_first_same(load_kernels("router"), MINI, T, exact=False)
 
 
 @cpu_only
