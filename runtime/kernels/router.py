@@ -46,8 +46,10 @@ PDL = True
 # *before* griddepcontrol.wait, then x, then one product over the slice (keyword weights_first). The
 # router rows are weights, never written by the kernel before, so their DRAM round trip overlaps the
 # norm the router waits for instead of following it. Off: the slice streams in BLOCK_K steps after the
-# wait (the way until session 17). Same products in the same order (the slice is padded to a power of
-# two with zeros), so the same logits.
+# wait (the way until session 17). The same exact FP32 products, summed in another order (one long
+# product over the zero-padded slice instead of chained steps): logits may differ in the last bits.
+# Session 17 (H200, q1 step graph, alternating A/B): the steps after the wait took 1.0106 / 1.0095 of
+# the step's time at 8K / 64K; the router alone in a graph 6.9 us against 7.5 us.
 WEIGHTS_FIRST = True
 
 
