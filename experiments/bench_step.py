@@ -245,6 +245,9 @@ AB_VARIANTS = {
     # the router's slice streamed in BLOCK_K steps after its wait for the norm (the way before session
     # 17) instead of loaded before it (route_topk weights_first)
     "router_weights_after": lambda rnd: _model_variant(rnd, router_weights_first=False),
+    # the norms' (and the MoE reduce's fused norm's) weight loaded after the wait, at the end of the
+    # chain (the way before session 17) instead of before it (norm weight_first)
+    "norm_weight_after": lambda rnd: _model_variant(rnd, norm_weight_first=False),
     # the attention combine releases the output projection at its start (attention option release_next)
     "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                      "release_next": True}),

@@ -238,6 +238,9 @@ class FastModel(Model):
         self.moe_pdl = self._moe_options.get("pdl")
         # route_topk loads its router slice before waiting for the norm (None: router.WEIGHTS_FIRST)
         self.router_weights_first = None
+        # the norms (and the MoE reduce's fused norm) load their weight before their wait (None:
+        # norm.WEIGHT_FIRST)
+        self.norm_weight_first = None
         self._qkv: dict[int, torch.Tensor] = {}
         nq, nk = sh.num_heads * d, sh.num_kv_heads * d
         for lw in self.layers + [m.layer for m in self.mtp]:
@@ -282,7 +285,7 @@ class FastModel(Model):
             if out16 is not None:
                 out16.copy_(out)
             return out
-        return _norm.fused_add_rmsnorm(x, r, w, eps, out, out16=out16)
+        return _norm.fused_add_rmsnorm(x, r, w, eps, out, out16=out16, weight_first=self.norm_weight_first)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
               x_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -291,7 +294,7 @@ class FastModel(Model):
         (kernels.norm=reference, or ``fused_glue`` off). ``x_out``: also receives x's BF16 values."""
         x = x.to(_BF16).contiguous()
         if self.kernels.norm == "fast" and self.fused_glue:
-            return _norm.rmsnorm(x, w, self.cfg.rms_norm_eps, out, x_out=x_out)
+            return _norm.rmsnorm(x, w, self.cfg.rms_norm_eps, out, x_out=x_out, weight_first=self.norm_weight_first)
         res = torch.zeros_like(x)
         out = self._add_norm(x, res, w, self.cfg.rms_norm_eps, out)
         if x_out is not None:
@@ -306,7 +309,8 @@ class FastModel(Model):
         otherwise the reference's ``embed_tokens`` and the norm."""
         if self.kernels.norm == "fast" and self.fused_glue and not self._has_peers():
             out = _norm.rmsnorm(self.embed, w, self.cfg.rms_norm_eps, out, x_out=x_out, ids=tokens,
-                                vocab_start=self.shard.vocab_start, vocab_size=self.shard.vocab_size)
+                                vocab_start=self.shard.vocab_start, vocab_size=self.shard.vocab_size,
+                                weight_first=self.norm_weight_first)
             if self.shard.tp_size > 1:      # the all-reduce the reference's embed_tokens does (a no-op
                 self.comm.all_reduce(out)   # here: emulation counts its bytes, [T, H] BF16 like e)
             return out
@@ -411,7 +415,9 @@ class FastModel(Model):
         fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
-                               _norm_bug=self.broken == "moe_norm_bug", **self._moe_options)
+                               _norm_bug=self.broken == "moe_norm_bug",
+                               **({} if norm is None else {"norm_weight_first": self.norm_weight_first}),
+                               **self._moe_options)
         # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
         # the MoE output it stands in for is counted on a tensor of the same shape and dtype)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y

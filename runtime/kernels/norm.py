@@ -32,14 +32,26 @@ from ._common import check, launch_signature, next_pow2, pdl_supported
 # vector loads per thread, so each row's single pass is latency-, not issue-bound.
 NUM_WARPS = 16
 PDL = True
+# The norm weight is loaded at the program's start, before griddepcontrol.wait (keyword weight_first;
+# also the MoE reduce's fused norm). It is a weight, never written by a predecessor, and evicted from
+# L2 by every layer's expert stream, so its load is a DRAM round trip: issued after the sum of
+# squares (the way until session 17) it was the last link of the kernel's chain. Same values.
+WEIGHT_FIRST = True
 
 
 @triton.jit
-def rms_scale(r, ss, WT, offs, ok, H: tl.constexpr, eps):
-    """r * rsqrt(ss / H + eps) * weight[offs] in FP32 (r: the stored row in FP32, ss: its sum of
-    squares): the normalisation every RMSNorm kernel here ends with (also the MoE reduce's)."""
+def load_weight(WT, offs, ok):
+    """The norm weight at ``offs`` in FP32 (zero outside ``ok``)."""
+    return tl.load(WT + offs, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def rms_scale(r, ss, wt, H: tl.constexpr, eps):
+    """r * rsqrt(ss / H + eps) * wt in FP32 (r: the stored row in FP32, ss: its sum of squares, wt:
+    ``load_weight``'s values): the normalisation every RMSNorm kernel here ends with (also the MoE
+    reduce's)."""
     inv = tl.math.rsqrt(ss / H + eps)
-    return r * inv * tl.load(WT + offs, mask=ok, other=0.0).to(tl.float32)
+    return r * inv * wt
 
 
 @triton.jit(launch_metadata=launch_signature)
@@ -47,13 +59,16 @@ def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, IDS, stride_x, stride_r, stride_
                         H: tl.constexpr, BLOCK_H: tl.constexpr, NORM_BUG: tl.constexpr,
                         HAS16: tl.constexpr = False, ROUND16_BUG: tl.constexpr = False,
                         PDL: tl.constexpr = False, LOAD_RES: tl.constexpr = True,
-                        STORE_RES: tl.constexpr = True, GATHER: tl.constexpr = False):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()   # the predecessor's x and residual are complete and visible from here
+                        STORE_RES: tl.constexpr = True, GATHER: tl.constexpr = False,
+                        WEIGHT_FIRST: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
+    if WEIGHT_FIRST:   # a weight: no predecessor writes it, so it may be read before the wait
+        wt = load_weight(WT, offs, ok)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()   # the predecessor's x and residual are complete and visible from here
     if GATHER:   # x = the embedding row of token IDS[row] (zero outside this rank's vocabulary slice)
         local = tl.load(IDS + row).to(tl.int64) - VSTART
         inside = ((local >= 0) & (local < VSIZE)).to(tl.float32)
@@ -73,7 +88,9 @@ def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, IDS, stride_x, stride_r, stride_
         ss = tl.sum(x * x, 0)
     else:
         ss = tl.sum(r * r, 0)
-    y = rms_scale(r, ss, WT, offs, ok, H, eps)
+    if not WEIGHT_FIRST:
+        wt = load_weight(WT, offs, ok)
+    y = rms_scale(r, ss, wt, H, eps)
     o = y.to(OUT.dtype.element_ty)
     tl.store(OUT + row * stride_o + offs, o, mask=ok)
     if HAS16:   # the stored values, as FP16 (ROUND16_BUG, negative control: FP32 -> FP16 directly)
@@ -83,14 +100,15 @@ def _add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, IDS, stride_x, stride_r, stride_
             tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
 
 
-def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=None, _norm_bug=False,
-                      _round16_bug=False):
+def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=None, weight_first=None,
+                      _norm_bug=False, _round16_bug=False):
     """residual += x (in residual's dtype); out = RMSNorm(residual) * weight in BF16. Returns out.
 
     x [w, H] (bf16/fp32), residual [w, H] (bf16/fp32, updated in place), weight [H].
     ``out16`` [w, H] FP16 (optional): also written, out's BF16 values converted to FP16 (the MoE's
     input: its Gate/Up then skips a per-tile conversion). ``pdl``: launched as a programmatic
     dependent that releases its own dependent at its start (default PDL; sm_90+ CUDA only).
+    ``weight_first``: the weight loaded before the wait (default WEIGHT_FIRST).
     ``_norm_bug`` is the tests' negative control (normalises by the RMS of x, not of the sum);
     ``_round16_bug`` another (out16 rounded from FP32, not from the BF16 values).
     """
@@ -113,13 +131,14 @@ def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=Non
         x, residual, weight, out, out16 if has16 else out, x, x.stride(0), residual.stride(0), out.stride(0),
         out16.stride(0) if has16 else 0, float(eps), 0, 1,
         H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug), PDL=use_pdl,
+        WEIGHT_FIRST=WEIGHT_FIRST if weight_first is None else bool(weight_first),
         num_warps=NUM_WARPS if block_h >= 4096 else 4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 
 
 def rmsnorm(x, weight, eps, out=None, *, x_out=None, ids=None, vocab_start=0, vocab_size=None, pdl=None,
-            _stale_bug=False):
+            weight_first=None, _stale_bug=False):
     """out = RMSNorm(x) * weight in BF16 (x rounded to BF16 first), with no residual: the kernel of
     ``fused_add_rmsnorm`` with a zero residual that it neither reads nor writes (no zero tensor to
     fill). ``x_out`` [w, H] BF16 (optional) also receives x's BF16 values (a residual stream's start).
@@ -127,7 +146,8 @@ def rmsnorm(x, weight, eps, out=None, *, x_out=None, ids=None, vocab_start=0, vo
     ``ids`` [w] integer: x is instead an embedding table [V, H] BF16 and row r is its row
     ids[r] - vocab_start, zero where that falls outside [0, vocab_size) (default V; the reference's
     ``embed_tokens`` of one rank's vocabulary slice: the gather, the mask and the norm in one launch).
-    ``_stale_bug``: the tests' negative control (the kernel adds what ``x_out`` held before the call)."""
+    ``weight_first``: as ``fused_add_rmsnorm``'s. ``_stale_bug``: the tests' negative control (the
+    kernel adds what ``x_out`` held before the call)."""
     check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [w, H] bf16, contiguous rows")
     w, H = x.shape
     gather = ids is not None
@@ -152,6 +172,7 @@ def rmsnorm(x, weight, eps, out=None, *, x_out=None, ids=None, vocab_start=0, vo
         int(vocab_start), vocab_size,
         H=H, BLOCK_H=block_h, NORM_BUG=False, HAS16=False, PDL=use_pdl, LOAD_RES=bool(_stale_bug),
         STORE_RES=x_out is not None, GATHER=gather, num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        WEIGHT_FIRST=WEIGHT_FIRST if weight_first is None else bool(weight_first),
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -69,6 +69,12 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_rope_kv_kernel", "enable_fp_fusion", "fma.rn.f32")]
 
 
+# Keywords that put weight loads before griddepcontrol.wait (and without which no global load precedes
+# it): (kernel -> keyword).
+EARLY_LOADS = {"_router_kernel": "WEIGHTS_FIRST", "_add_rmsnorm_kernel": "WEIGHT_FIRST",
+               "_moe_reduce_kernel": "WEIGHT_FIRST"}
+
+
 def ptx_problems(sink) -> list[str]:
     """A keyword switched on must show in the PTX, and switched off must not (where nothing else
     emits that instruction): the options really change the code."""
@@ -81,13 +87,14 @@ def ptx_problems(sink) -> list[str]:
             other = key == "TAIL_PREFETCH" and kwargs.get("PREFETCH", 0) and kwargs.get("PDL")
             if bool(kwargs[key]) != (mark in ptx) and not (other and mark in ptx):
                 out.append(f"{name} {grid}: {key}={kwargs[key]} but {mark!r} {'absent' if kwargs[key] else 'present'}")
-        if name == "_router_kernel" and kwargs.get("PDL"):   # the router slice's loads precede the wait
-            lines = ptx.splitlines()
+        key = EARLY_LOADS.get(name)
+        if key and kwargs.get("PDL") and (name != "_moe_reduce_kernel" or kwargs.get("NORM")):
+            lines = ptx.splitlines()   # weights read before the wait: loads precede it in the PTX
             wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
             early = sum("ld.global" in ln for ln in lines[:wait])
-            if bool(kwargs.get("WEIGHTS_FIRST")) != (early > 0):
-                out.append(f"{name} {grid}: WEIGHTS_FIRST={kwargs.get('WEIGHTS_FIRST')} but {early} global "
-                           f"loads before griddepcontrol.wait")
+            if bool(kwargs.get(key)) != (early > 0):
+                out.append(f"{name} {grid}: {key}={kwargs.get(key)} but {early} global loads before "
+                           f"griddepcontrol.wait")
     return out
 
 
@@ -151,11 +158,14 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                                 gu_num_stages=st)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
-            M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, pdl=True, _norm_bug=bug,   # + add + norm
-                            norm=(x.clone(), torch.ones(H).to(bf), 1e-6, torch.zeros(8, dtype=torch.int32)))
+            for first in (True, False):                         # + add + norm (its weight before the wait)
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, pdl=True, _norm_bug=bug,
+                                norm=(x.clone(), torch.ones(H).to(bf), 1e-6, torch.zeros(8, dtype=torch.int32)),
+                                norm_weight_first=first)
         for rdt in (bf, torch.float32):
             x = torch.randn(8, H).to(bf)
-            Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6)
+            for first in (True, False):
+                Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6, weight_first=first)
             Nm.fused_add_rmsnorm(x, x.to(rdt), torch.ones(H).to(bf), 1e-6, out16=torch.empty(8, H).half())
         x = torch.randn(8, H).to(bf)                            # no residual; the embedding gather
         Nm.rmsnorm(x, torch.ones(H).to(bf), 1e-6, x_out=torch.empty_like(x))

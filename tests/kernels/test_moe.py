@@ -517,16 +517,20 @@ def _norm_fused_same(M, shape, w, kind, seed, weights=None, **kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("first", [True, False], ids=["weight_first", "weight_after"])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
-def test_q1_shard_reduce_with_norm(w, kind):
+def test_q1_shard_reduce_with_norm(w, kind, first):
     """The reduce with the next add + RMSNorm fused gives the residual and the normalised output of
     the two launches it replaces, bit for bit (the last program's sum of squares has the norm
-    kernel's layout); its counter is re-armed; the negative control (one block left out of the sum of
-    squares) moves the output by more than a BF16 step."""
+    kernel's layout), with its norm weight loaded before the wait or by the last program; its counter
+    is re-armed; the negative control (one block left out of the sum of squares) moves the output by
+    more than a BF16 step."""
     M = load_kernels("moe")
-    res_ok, out_ok, steps, cnt_ok = _norm_fused_same(M, Q1, w, kind, seed=w, weights=_q1_weights())
+    res_ok, out_ok, steps, cnt_ok = _norm_fused_same(M, Q1, w, kind, seed=w, weights=_q1_weights(),
+                                                     norm_weight_first=first)
     assert res_ok and cnt_ok and out_ok, steps
-    _, out_bug, steps_bug, _ = _norm_fused_same(M, Q1, w, kind, seed=w, weights=_q1_weights(), _norm_bug=True)
+    _, out_bug, steps_bug, _ = _norm_fused_same(M, Q1, w, kind, seed=w, weights=_q1_weights(), _norm_bug=True,
+                                                norm_weight_first=first)
     assert not out_bug and steps_bug > 1.0, steps_bug
 
 

@@ -49,6 +49,33 @@ def test_gpu(w, H, res_dtype):
     assert err < TOL
 
 
+def _weight_first_same(Nm, w, H, res_dtype):
+    """The weight loaded before the wait or after the sum of squares: the same residual and output,
+    bit for bit (only the load moves). Both are also checked against the FP64 reference."""
+    outs = []
+    for first in (True, False):
+        res, r_ref, err = run_case(Nm, w, H, res_dtype, seed=11, weight_first=first)
+        assert err < TOL
+        outs.append(res)
+    dev = outs[0].device
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(w, H, generator=g).to(torch.bfloat16).to(dev)
+    wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(dev)
+    o = [Nm.rmsnorm(x, wt, 1e-6, weight_first=first) for first in (True, False)]
+    return torch.equal(outs[0], outs[1]) and torch.equal(o[0], o[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,res_dtype", [(6144, torch.bfloat16), (6144, torch.float32), (256, torch.bfloat16)])
+def test_gpu_weight_first_same_values(H, res_dtype):
+    assert _weight_first_same(load_kernels("norm"), 6, H, res_dtype)
+
+
+@cpu_only
+def test_interp_weight_first_same_values():
+    assert _weight_first_same(load_kernels("norm"), 4, 256, torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [6144, 256])
 def test_gpu_negative_control(H):
