@@ -223,7 +223,7 @@ def _model_variant(rnd: Round, **attrs) -> None:
 def _skinny(rnd: Round, **kw) -> None:
     """rnd's model with its projections on skinny_linear called with keywords ``kw``."""
     m = rnd.model
-    _model_variant(rnd, _proj=lambda x, w, **kw2: skinny_linear(x, w, counter=m._linear_counter, **{**kw2, **kw}))
+    _model_variant(rnd, _proj=lambda x, w: skinny_linear(x, w, counter=m._linear_counter, **kw))
 
 
 # Same-run A/B of the fast step's graph (--ab NAME): NAME's change applied to a second Round.
@@ -248,17 +248,6 @@ AB_VARIANTS = {
     # the norms' (and the MoE reduce's fused norm's) weight loaded after the wait, at the end of the
     # chain (the way before session 17) instead of before it (norm weight_first)
     "norm_weight_after": lambda rnd: _model_variant(rnd, norm_weight_first=False),
-    # (session 17 experiments) the MoE reduce releases the next layer's Q/K/V projection once past its
-    # wait, alone and with that projection's L2 prefetch of its weight before its own wait; the
-    # attention combine releasing the output projection, which prefetches its weight
-    "reduce_release": lambda rnd: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
-                                                                    "reduce_release": True}),
-    "reduce_release_qkv_pf": lambda rnd: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
-                                                                           "reduce_release": True},
-                                                        _qkv_options={"prefetch": True}),
-    "release_next_o_pf": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
-                                                                        "release_next": True},
-                                                    _o_options={"prefetch": True}),
     # the attention combine releases the output projection at its start (attention option release_next)
     "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                      "release_next": True}),

@@ -241,9 +241,6 @@ class FastModel(Model):
         # the norms (and the MoE reduce's fused norm) load their weight before their wait (None:
         # norm.WEIGHT_FIRST)
         self.norm_weight_first = None
-        # skinny_linear keywords of the Q/K/V and of the output projection (experiments: e.g. prefetch)
-        self._qkv_options: dict = {}
-        self._o_options: dict = {}
         self._qkv: dict[int, torch.Tensor] = {}
         nq, nk = sh.num_heads * d, sh.num_kv_heads * d
         for lw in self.layers + [m.layer for m in self.mtp]:
@@ -353,18 +350,17 @@ class FastModel(Model):
         return ids, torch.softmax(top, dim=-1)
 
     # ---- decode-mode pieces on the kernels ----------------------------------------------------------
-    def _proj(self, x: torch.Tensor, w: torch.Tensor, **kw) -> torch.Tensor:
-        """x @ w^T (BF16): skinny_linear (with keywords ``kw``) with kernels.linear=fast, torch matmul
-        otherwise."""
+    def _proj(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T (BF16): skinny_linear with kernels.linear=fast, torch matmul otherwise."""
         if self.kernels.linear == "reference":
             return x @ w.T
-        return _linear.skinny_linear(x, w, counter=self._linear_counter, **kw)
+        return _linear.skinny_linear(x, w, counter=self._linear_counter)
 
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
                         cache: KVCache, tab) -> torch.Tensor:
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
-        qkv = self._proj(h, self._qkv[id(lw)], **self._qkv_options)
+        qkv = self._proj(h, self._qkv[id(lw)])
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
             qk = self._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), tab["cos"], tab["sin"])
             q, k = qk[:, :nh], qk[:, nh:]
@@ -398,7 +394,7 @@ class FastModel(Model):
             q = _rope.rope_kv_write(qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, labels=cache.labels,
                                     positions=positions, **ring, **rope)
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
-        out = self._proj(o.view(T, nh * d), lw.wo, **self._o_options)
+        out = self._proj(o.view(T, nh * d), lw.wo)
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
     def _moe_norm_fusable(self) -> bool:

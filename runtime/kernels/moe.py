@@ -367,10 +367,9 @@ def _moe_down_wide_kernel(
 def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om, stride_r, eps,
                        H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
                        NORM: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1, NORM_BUG: tl.constexpr = False,
-                       WEIGHT_FIRST: tl.constexpr = False, RELEASE: tl.constexpr = False):
-    # It does not release the next kernel at its start (session 14, call 6: the chain of early launches
-    # then reached the next layer's attention while the Down ran, and the step was 4 % slower);
-    # ``RELEASE`` (experiment): it releases it once past its wait, when the Down is complete.
+                       WEIGHT_FIRST: tl.constexpr = False):
+    # It does not release the next kernel early (session 14, call 6: the chain of early launches then
+    # reached the next layer's attention while the Down ran, and the step was 4 % slower).
     if NORM:
         full = tl.arange(0, BLOCK_ROW)
         fok = full < H
@@ -378,8 +377,6 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
             wt = load_weight(WT, full, fok)
     if PDL:
         gdc_wait()
-        if RELEASE:
-            gdc_launch_dependents()
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -640,13 +637,11 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
     )
 
 
-def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None,
-                   release=False):
+def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None):
     """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch). ``norm`` = (residual, weight, eps,
     counter): instead residual += that sum (rounded to BF16) and out = RMSNorm(residual) * weight,
     computed by each row's last program (``counter``: int32 zeros, at least w, left zero). Every program
-    loads the norm weight before its wait (``weight_first``, default norm.WEIGHT_FIRST). ``release``
-    (with pdl): the next kernel is released once the reduce has passed its wait."""
+    loads the norm weight before its wait (``weight_first``, default norm.WEIGHT_FIRST)."""
     w, H = out.shape
     block_h = block_h or RED_BLOCK_H
     if norm is not None:
@@ -659,7 +654,6 @@ def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=F
         H=H, TOPK=tw.shape[1], BLOCK_H=block_h, PDL=pdl, NORM=norm is not None, BLOCK_ROW=next_pow2(H),
         NORM_BUG=bool(norm_bug), num_warps=RED_NORM_NUM_WARPS if norm is not None else 4,
         WEIGHT_FIRST=norm is not None and (_norm.WEIGHT_FIRST if weight_first is None else bool(weight_first)),
-        RELEASE=bool(pdl and release),
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -708,8 +702,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
-             gu_pdl=None, norm=None, norm_weight_first=None, reduce_release=False, _drop_split=False,
-             _pdl_no_wait=False,
+             gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
              _gu_no_wait=False, _norm_bug=False):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
@@ -762,8 +755,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
-                                              norm_bug=_norm_bug, weight_first=norm_weight_first,
-                                              release=reduce_release)),
+                                              norm_bug=_norm_bug, weight_first=norm_weight_first)),
         ]
         return out, steps
     check(norm is None, "norm= (the reduce with the next add + RMSNorm) is a v1 option")
@@ -821,8 +813,7 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     rounded to BF16; out = RMSNorm(residual) * weight in BF16, by each row's last reduce program;
     ``counter`` int32 zeros, at least w, left zero by each call) - the MoE output itself is then not
     written; ``norm_weight_first``: its weight loaded before the reduce's wait (default
-    norm.WEIGHT_FIRST); ``reduce_release`` (with pdl, experiment): the reduce releases the next kernel
-    once past its wait; ``_norm_bug``: its negative control (a block left out of the sum of squares).
+    norm.WEIGHT_FIRST); ``_norm_bug``: its negative control (a block left out of the sum of squares).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction; ``_pdl_no_wait``
     launches the wide Down early (pdl) without its wait; ``_gu_no_wait`` the same for Gate/Up.
