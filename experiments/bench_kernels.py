@@ -273,10 +273,7 @@ def bench_moe(copy_bw, l2, sweep):
                     ("bf16_x", dict(_bf16_x=True)),   # session 11 and before: BF16 x, cast per tile
                     # session 13: K steps per Gate/Up iteration (one until session 13; two, 3 stages)
                     ("gu_unroll1", dict(gu_unroll=1)), ("gu_unroll2_st3", dict(gu_unroll=2, gu_num_stages=3)),
-                    ("gu_unroll3_st3", dict(gu_unroll=3, gu_num_stages=3)),   # 162 registers, 72 KiB: 3 per SM
-                    # session 17: Gate/Up's weight scales loaded in their own iteration (synchronously),
-                    # not one iteration ahead
-                    ("gu_scales_behind", dict(gu_scales_ahead=False))]
+                    ("gu_unroll3_st3", dict(gu_unroll=3, gu_num_stages=3))]   # 162 registers, 72 KiB: 3 per SM
         # v2 with a persistent counter buffer (left zero by every call): no per-call memset node.
         cnt = torch.zeros(M.counters_size(w, H, I, E), device=DEV, dtype=torch.int32)
         variants += [("v2_cnt", dict(variant="v2", counters=cnt))]
@@ -328,8 +325,7 @@ def bench_moe(copy_bw, l2, sweep):
         dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
         step_bytes = dict(gate_up=gu_bytes, down=dn_bytes + P * H * 4, reduce=P * H * 4 + w * H * 2,
                           down_reduce=dn_bytes + w * H * 2)
-        for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False)),
-                         ("v1_scales_behind", dict(gu_scales_ahead=False))):
+        for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False))):
             plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var[:2], **vkw)[1] for x, ids, tw, wt, o in data]
             for plan in plans:  # fill the intermediate buffers (activations, group table) once
                 for _, launch in plan:

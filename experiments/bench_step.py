@@ -248,10 +248,6 @@ AB_VARIANTS = {
     # the norms' (and the MoE reduce's fused norm's) weight loaded after the wait, at the end of the
     # chain (the way before session 17) instead of before it (norm weight_first)
     "norm_weight_after": lambda rnd: _model_variant(rnd, norm_weight_first=False),
-    # the MoE Gate/Up loading its weight scales in their own K step's iteration (synchronous loads,
-    # the way before session 17) instead of one iteration ahead (moe gu_scales_ahead)
-    "gu_scales_behind": lambda rnd: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
-                                                                      "gu_scales_ahead": False}),
     # the attention combine releases the output projection at its start (attention option release_next)
     "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                      "release_next": True}),

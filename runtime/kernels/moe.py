@@ -75,11 +75,6 @@ GU_NUM_WARPS = 4
 # kernel is issue-latency bound). Session 13, H200, same run: MoE 64.48 -> 62.30 us (38 experts),
 # 85.88 -> 79.29 us (48) with 4 stages; 3 stages 63.02 / 84.10, 2 stages 66.85 / 82.56.
 GU_UNROLL = 2
-# v1 Gate/Up: each loop iteration loads the weight scales of the next iteration's K steps (keyword
-# gu_scales_ahead; unroll 1 or 2). The scales feed a multiply, not a dot, so Triton's pipeliner leaves
-# their loads synchronous: without this every iteration waited for an L2 round trip after its
-# async copies (the TTGIR shows tt.load of sg / su after ttg.async_wait). Same values, same order.
-GU_SCALES_AHEAD = True
 # FP16 tensor-core operands in v1 Gate/Up (keyword gu_f16): E4M3 -> FP16 is one packed conversion
 # per two weights, E4M3 -> BF16 several; x is converted to FP16 per tile (post-norm hidden states lie
 # within +-65504). H200, 38 experts: Gate/Up 62.9 -> 42.7 us (experiments/notes/kernels.md).
@@ -213,18 +208,6 @@ def _silu_mul_e4m3(hg, hu, ok, AXIS: tl.constexpr):
     return _e4m3_bits(a), scale
 
 
-@triton.jit
-def _gu_scales(s_g, s_u, k0, n_ok, H, stride_sk, N_KB: tl.constexpr, SCALE_BUG: tl.constexpr):
-    """Gate's and Up's weight scales of the K step starting at ``k0`` (zero past H and outside
-    ``n_ok``; SCALE_BUG, the tests' negative control: the next scale block)."""
-    kb = k0 // 128
-    if SCALE_BUG:
-        kb = (kb + 1) % N_KB
-    sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-    su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-    return sg, su
-
-
 @triton.jit(do_not_specialize=["P"], launch_metadata=launch_signature)
 def _moe_gate_up_kernel(
     X, IDS, W13, S13, ACT, ACT_SCALE,
@@ -232,7 +215,7 @@ def _moe_gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-    WAIT: tl.constexpr = False, SCALES_AHEAD: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
 ):
     g = tl.program_id(0)
     nb = tl.program_id(1)
@@ -258,18 +241,7 @@ def _moe_gate_up_kernel(
         x_ptr = X + tok[:, None] * stride_xm
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if SCALES_AHEAD:   # the first iteration's scales (each iteration then loads the next one's)
-            sg_a, su_a = _gu_scales(s_g, s_u, 0, n_ok, H, stride_sk, N_KB, SCALE_BUG)
-            if UNROLL == 2:
-                sg_b, su_b = _gu_scales(s_g, s_u, BLOCK_K, n_ok, H, stride_sk, N_KB, SCALE_BUG)
         for k00 in range(0, H, BLOCK_K * UNROLL):   # UNROLL K steps per iteration (same products, same order)
-            if SCALES_AHEAD:
-                sg_0, su_0 = sg_a, su_a
-                sg_a, su_a = _gu_scales(s_g, s_u, k00 + BLOCK_K * UNROLL, n_ok, H, stride_sk, N_KB, SCALE_BUG)
-                if UNROLL == 2:
-                    sg_1, su_1 = sg_b, su_b
-                    sg_b, su_b = _gu_scales(s_g, s_u, k00 + BLOCK_K * (UNROLL + 1), n_ok, H, stride_sk, N_KB,
-                                            SCALE_BUG)
             for u in tl.static_range(UNROLL):
                 k0 = k00 + u * BLOCK_K
                 kk = k0 + offs_k
@@ -277,13 +249,11 @@ def _moe_gate_up_kernel(
                 x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 wg = tl.load(w_g + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if SCALES_AHEAD:
-                    if u == 0:
-                        sg, su = sg_0, su_0
-                    else:
-                        sg, su = sg_1, su_1
-                else:
-                    sg, su = _gu_scales(s_g, s_u, k0, n_ok, H, stride_sk, N_KB, SCALE_BUG)
+                kb = k0 // 128
+                if SCALE_BUG:
+                    kb = (kb + 1) % N_KB
+                sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
+                su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
                 x = x.to(op_ty)
                 acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
                 acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
@@ -617,11 +587,8 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
-                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, scales_ahead=None):
+                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch)."""
-    # (the default unroll was measured at the default width; at 64 columns two steps spill)
-    unroll = int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1))
-    ahead = (GU_SCALES_AHEAD if scales_ahead is None else bool(scales_ahead)) and unroll <= 2
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
     _moe_gate_up_kernel[grid](
@@ -631,7 +598,8 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=block_n, BLOCK_K=GU_BLOCK_K,
         SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
-        UNROLL=unroll, WAIT=wait and not no_wait, SCALES_AHEAD=ahead,
+        # (the default unroll was measured at the default width; at 64 columns two steps spill)
+        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
     )
@@ -733,8 +701,7 @@ def counters_size(w, H, I, E, topk=8):
 def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=None,
              gu_num_stages=None, down_num_stages=None, gu_split_k=None, down_split_e=None,
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
-             pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, gu_scales_ahead=None,
-             _scale_bug=False,
+             pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
              _gu_no_wait=False, _norm_bug=False):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
@@ -779,7 +746,6 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
             ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
-                                                scales_ahead=gu_scales_ahead,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
                                                 no_wait=_gu_no_wait)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
@@ -841,9 +807,7 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     CUDA sm_90+ only, ignored elsewhere; default PDL; ``gu_pdl=False`` launches Gate/Up plainly
     while the rest stays programmatic); ``down_prefetch``
     (weight tiles per Down program prefetched to L2 before its wait, with pdl; default DOWN_PREFETCH);
-    ``red_block_h`` (reduce columns per program; default RED_BLOCK_H); ``gu_scales_ahead`` (Gate/Up
-    loads the next iteration's weight scales one iteration ahead; default GU_SCALES_AHEAD);
-    ``gu_unroll`` (K steps per
+    ``red_block_h`` (reduce columns per program; default RED_BLOCK_H); ``gu_unroll`` (K steps per
     Gate/Up loop iteration; default GU_UNROLL at the default width, else 1); ``norm`` = (residual,
     weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
     rounded to BF16; out = RMSNorm(residual) * weight in BF16, by each row's last reduce program;

@@ -153,9 +153,9 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             for pf, rb in ((2, None), (0, 256)):                # programmatic dependent launches
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
                                 down_prefetch=pf, red_block_h=rb)
-            for u, st, ahead in ((2, 3, True), (2, 4, True), (1, 4, True), (2, 4, False)):   # K steps per
-                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_unroll=u,   # iteration,
-                                gu_num_stages=st, gu_scales_ahead=ahead)                 # scales ahead or not
+            for u, st in ((2, 3), (2, 4)):                      # two K steps per Gate/Up iteration
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_unroll=u,
+                                gu_num_stages=st)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
             for first in (True, False):                         # + add + norm (its weight before the wait)

@@ -489,38 +489,6 @@ def test_interp_gu_unroll(unroll):
 
 
 
-def _ahead_pair(M, shape, weights, w, kind, seed, unroll):
-    """(Gate/Up loading each K step's scales in its own iteration, one iteration ahead) at ``unroll``."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(w, shape["H"], generator=g).to(torch.bfloat16).to(_dev())
-    ids, tw = make_routing(w, shape["E"], kind, seed + 1)
-    return [M.fused_moe_fp8(x, ids, tw, *weights, gu_unroll=unroll, gu_scales_ahead=a) for a in (False, True)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("unroll", [1, 2])
-@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
-def test_q1_shard_gu_scales_ahead(w, kind, unroll):
-    """The weight scales loaded one iteration ahead: the same values in the same products, so the same
-    output bit for bit; the wrong-scale-block control (applied to the loads ahead too) is caught."""
-    M = load_kernels("moe")
-    a, b = _ahead_pair(M, Q1, _q1_weights(), w, kind, seed=80 + w, unroll=unroll)
-    assert torch.equal(a, b)
-    assert _rejected(run_case(M, Q1, w, kind, seed=81 + w, weights=_q1_weights(), gu_unroll=unroll,
-                              gu_scales_ahead=True, _scale_bug=True))
-
-
-@cpu_only
-@pytest.mark.parametrize("unroll", [1, 2])
-def test_interp_gu_scales_ahead(unroll):
-    M = load_kernels("moe")
-    weights = make_weights(MINI_K["H"], MINI_K["I"], MINI_K["E"], 5)
-    a, b = _ahead_pair(M, MINI_K, weights, 6, "shared", seed=9, unroll=unroll)
-    assert torch.equal(a, b)
-    assert _rejected(run_case(M, MINI_K, 6, "shared", seed=6, gu_unroll=unroll, gu_scales_ahead=True,
-                              _scale_bug=True))
-
-
 # ------------------------------------------------------------- the next add + RMSNorm in the reduce
 def _norm_fused_same(M, shape, w, kind, seed, weights=None, **kw):
     """fused_moe_fp8(norm=(r, ln, eps, counter)) against the MoE then fused_add_rmsnorm on a copy of
