@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_kernels import attention_sets, copy_same_calls, n_sets  # noqa: E402
+from bench_kernels import attention_sets, copy_same_calls, n_sets, read_floor_calls  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 
 
@@ -73,29 +73,6 @@ def _sol_read_kernel(K, V, OUT, START, W, NUM_PROGS, CHUNK: tl.constexpr, D: tl.
     tl.store(OUT + pid * D + tl.arange(0, D), acc)
 
 
-@triton.jit
-def _sol_flat_kernel(K, V, OUT, START, W, CHUNK: tl.constexpr, D: tl.constexpr, HOST: tl.constexpr = False,
-                     CACHE: tl.constexpr = ""):
-    """Speed-of-light probe, flat: one program per CHUNK-row tile of the capacity (a fixed grid, as
-    a captured launch needs); programs past the valid extent [0, start_pos + W) exit after reading
-    start_pos, the others read their K and V tile and write one sum. Many small programs per SM, all
-    loads in flight at once: the shape of torch's copy kernel. ``HOST``: the extent is the argument W
-    (no start_pos load: what that dependent load costs); ``CACHE``: the tiles' cache modifier."""
-    pid = tl.program_id(0)
-    if HOST:
-        n_keys = W
-    else:
-        n_keys = tl.load(START).to(tl.int32) + W
-    r0 = pid * CHUNK
-    if r0 < n_keys:
-        rows = tl.arange(0, CHUNK)
-        offs = (r0 + rows)[:, None] * D + tl.arange(0, D)[None, :]
-        ok = (r0 + rows < n_keys)[:, None]
-        k = tl.load(K + offs, mask=ok, other=0.0, cache_modifier=CACHE)
-        v = tl.load(V + offs, mask=ok, other=0.0, cache_modifier=CACHE)
-        tl.store(OUT + pid * D + tl.arange(0, D), tl.sum(k.to(tl.float32), 0) + tl.sum(v.to(tl.float32), 0))
-
-
 def probe_calls(name, data, n_keys, d):
     """Calls of a floor probe over the same rotating sets: ``copy`` (torch copies the valid K rows
     into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
@@ -105,15 +82,10 @@ def probe_calls(name, data, n_keys, d):
     if name == "tsum":   # torch's own reductions read the valid K and V rows (two launches)
         return [(lambda k=k, v=v: (k[:, :n_keys].sum(), v[:, :n_keys].sum())) for _, k, v, _, _, _ in data]
     flat = re.fullmatch(r"solf(\d+)_w(\d+)(_host|_cg)?", name)
-    if flat:   # _sol_flat_kernel with (first number) rows per tile and (second) warps per program;
-        # _host: the extent passed from the host (no start_pos load), _cg: loads cached in L2 only
-        chunk, cap, opt = int(flat.group(1)), data[0][1].shape[1], flat.group(3)
-        grid = triton.cdiv(cap, chunk)
-        return [(lambda k=k, v=v, sp=sp, w=(n_keys if opt == "_host" else q.shape[0]),
-                 out=torch.empty(grid, d, device=k.device):
-                 _sol_flat_kernel[(grid,)](k, v, out, sp, w, CHUNK=chunk, D=d, num_warps=int(flat.group(2)),
-                                           num_stages=1, HOST=opt == "_host", CACHE=".cg" if opt == "_cg" else ""))
-                for q, k, v, _, sp, _ in data]
+    if flat:   # bench_kernels' read floor with (first number) rows per tile and (second) warps per
+        # program; _host: the extent passed from the host (no start_pos load), _cg: loads cached in L2 only
+        return read_floor_calls(data, n_keys, int(flat.group(1)), int(flat.group(2)), host=flat.group(3) == "_host",
+                                cache=".cg" if flat.group(3) == "_cg" else "")
     sol = re.fullmatch(r"sol(\d+)_(\d+)", name)
     if sol:   # _sol_read_kernel with (first number) programs per SM and (second) rows per tile
         sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
