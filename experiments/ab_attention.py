@@ -9,8 +9,9 @@ random order, so slow drifts of the machine (clocks, temperature, neighbours) an
 one replay on the next (a probe's dirty L2 lines) fall on all configs alike. Per shape and config it prints the median time per call, the fraction of the
 device-to-device copy bandwidth (KV + q/out bytes, as bench_kernels.py), and against the first config
 the median of the per-round ratios with their 10-90 % range: a difference is only worth acting on
-when that range excludes 1. The floor probes ``copy``, ``read``, ``read2``, ``tsum``, ``sol{m}_{rows}`` and ``solf{rows}_w{warps}`` (see
-``probe_calls``) move the same KV bytes without computing attention: what one call moving them costs here.
+when that range excludes 1. The floor probes ``copy``, ``read``, ``read2``, ``tsum``,
+``sol{m}_{rows}`` and ``solf{rows}_w{warps}`` (see ``probe_calls``) move the same KV bytes without
+computing attention: what one call moving them costs here.
 $OUT/ab_attention.json/.csv hold every round's times.
 """
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _sol_read_kernel(K, V, OUT, START, W, NUM_PROGS, CHUNK: tl.constexpr, D: tl.
 def probe_calls(name, data, n_keys, d):
     """Calls of a floor probe over the same rotating sets: ``copy`` (torch copies the valid K rows
     into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
-    with one / two programs per SM)."""
+    with one / two programs per SM), ``tsum`` (torch sums of the valid K and V rows), ``sol{m}_{rows}``
+    (``_sol_read_kernel``), ``solf{rows}_w{warps}[_host|_cg]`` (bench_kernels' read floor)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
     if name == "copy":
         return copy_same_calls(data, n_keys)
     if name == "tsum":   # torch's own reductions read the valid K and V rows (two launches)
@@ -88,12 +91,10 @@ def probe_calls(name, data, n_keys, d):
                                 cache=".cg" if flat.group(3) == "_cg" else "")
     sol = re.fullmatch(r"sol(\d+)_(\d+)", name)
     if sol:   # _sol_read_kernel with (first number) programs per SM and (second) rows per tile
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
         grid, chunk = sms * int(sol.group(1)), int(sol.group(2))
         return [(lambda k=k, v=v, sp=sp, w=q.shape[0], out=torch.empty(grid, d, device=k.device):
                  _sol_read_kernel[(grid,)](k, v, out, sp, w, grid, CHUNK=chunk, D=d, num_warps=8, num_stages=1))
                 for q, k, v, _, sp, _ in data]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
     grid = sms * (2 if name == "read2" else 1)
     per = triton.cdiv(triton.cdiv(n_keys, A.BLOCK_N), grid)
     return [(lambda k=k, v=v, out=torch.empty(grid, device=k.device): _stream_read_kernel[(grid,)](

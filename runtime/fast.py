@@ -415,8 +415,7 @@ class FastModel(Model):
         fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
-                               _norm_bug=self.broken == "moe_norm_bug",
-                               **({} if norm is None else {"norm_weight_first": self.norm_weight_first}),
+                               _norm_bug=self.broken == "moe_norm_bug", norm_weight_first=self.norm_weight_first,
                                **self._moe_options)
         # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
         # the MoE output it stands in for is counted on a tensor of the same shape and dtype)

@@ -653,7 +653,7 @@ def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=F
         y, tw, out, res, wt, cnt, y.stride(0), tw.stride(0), out.stride(0), res.stride(0), float(eps),
         H=H, TOPK=tw.shape[1], BLOCK_H=block_h, PDL=pdl, NORM=norm is not None, BLOCK_ROW=next_pow2(H),
         NORM_BUG=bool(norm_bug), num_warps=RED_NORM_NUM_WARPS if norm is not None else 4,
-        WEIGHT_FIRST=norm is not None and (_norm.WEIGHT_FIRST if weight_first is None else bool(weight_first)),
+        WEIGHT_FIRST=norm is not None and _norm.resolve_weight_first(weight_first),
         **({"launch_pdl": True} if pdl else {}),
     )
 

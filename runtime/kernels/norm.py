@@ -16,7 +16,7 @@ norm, the MTP layer's input norms, the LM head's norm).
 
 Programmatic dependent launch (``PDL``, sm_90+ CUDA): the kernel releases its own dependent at its
 start (the next kernel, a projection or the router, launches while this one runs) and waits
-(griddepcontrol.wait) for its predecessor before reading anything.
+(griddepcontrol.wait) for its predecessor before reading anything but the norm weight (WEIGHT_FIRST).
 """
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ PDL = True
 # L2 by every layer's expert stream, so its load is a DRAM round trip: issued after the sum of
 # squares (the way until session 17) it was the last link of the kernel's chain. Same values.
 WEIGHT_FIRST = True
+
+
+def resolve_weight_first(flag) -> bool:
+    """A launch's ``weight_first`` keyword resolved (None: WEIGHT_FIRST)."""
+    return WEIGHT_FIRST if flag is None else bool(flag)
 
 
 @triton.jit
@@ -131,7 +136,7 @@ def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=Non
         x, residual, weight, out, out16 if has16 else out, x, x.stride(0), residual.stride(0), out.stride(0),
         out16.stride(0) if has16 else 0, float(eps), 0, 1,
         H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug), PDL=use_pdl,
-        WEIGHT_FIRST=WEIGHT_FIRST if weight_first is None else bool(weight_first),
+        WEIGHT_FIRST=resolve_weight_first(weight_first),
         num_warps=NUM_WARPS if block_h >= 4096 else 4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
@@ -172,7 +177,7 @@ def rmsnorm(x, weight, eps, out=None, *, x_out=None, ids=None, vocab_start=0, vo
         int(vocab_start), vocab_size,
         H=H, BLOCK_H=block_h, NORM_BUG=False, HAS16=False, PDL=use_pdl, LOAD_RES=bool(_stale_bug),
         STORE_RES=x_out is not None, GATHER=gather, num_warps=NUM_WARPS if block_h >= 4096 else 4,
-        WEIGHT_FIRST=WEIGHT_FIRST if weight_first is None else bool(weight_first),
+        WEIGHT_FIRST=resolve_weight_first(weight_first),
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

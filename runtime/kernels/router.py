@@ -10,12 +10,13 @@ Algorithm (``_router_kernel``, grid (ceil(E / BLOCK_E), SPLIT_H))
 Program (e, s) computes the partial logits of experts [e * BLOCK_E, ...) for all rows over the s-th
 slice of H: BF16 x against the BF16 router rows (products exact in FP32, FP32 accumulation on the
 tensor cores; by default the router slice is loaded before the program waits for the norm that
-writes x, see WEIGHTS_FIRST), and stores the live rows' partials (FP32) to a workspace. Then it takes a ticket on an arrival counter
-(release/acquire); the last program to arrive sums the SPLIT_H partials in split order (a fixed
-order: deterministic), selects per row the K largest logits with K max-reductions of the sampler's
-int64 keys (order-preserving value bits, then the inverted index: largest first, among equal logits
-the lower expert index first) and writes their expert ids (int32, what the MoE kernel reads) and
-softmax(top values) (FP32), then re-zeroes the counter for the next call (CUDA-graph replay).
+writes x, see WEIGHTS_FIRST), and stores the live rows' partials (FP32) to a workspace. Then it
+takes a ticket on an arrival counter (release/acquire); the last program to arrive sums the SPLIT_H
+partials in split order (a fixed order: deterministic), selects per row the K largest logits with K
+max-reductions of the sampler's int64 keys (order-preserving value bits, then the inverted index:
+largest first, among equal logits the lower expert index first) and writes their expert ids (int32,
+what the MoE kernel reads) and softmax(top values) (FP32), then re-zeroes the counter for the next
+call (CUDA-graph replay).
 
 Same contract as ``Model.route`` (FP32 logits of the BF16-rounded input; ids of the top k; weights
 renormalised over them). The logits are summed in a different order than cuBLAS's, so they differ
