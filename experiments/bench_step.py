@@ -248,6 +248,10 @@ AB_VARIANTS = {
     # the norms' (and the MoE reduce's fused norm's) weight loaded after the wait, at the end of the
     # chain (the way before session 17) instead of before it (norm weight_first)
     "norm_weight_after": lambda rnd: _model_variant(rnd, norm_weight_first=False),
+    # short attention splits reading their first K/V block after the wait for rope_kv_write (the way
+    # before session 17) instead of before it when the block lies below start_pos (kv_before_wait)
+    "attn_kv_after_wait": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
+                                                                         "kv_before_wait": False}),
     # the attention combine releases the output projection at its start (attention option release_next)
     "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                      "release_next": True}),

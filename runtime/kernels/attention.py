@@ -24,7 +24,8 @@ device value, so the launch can be captured in a CUDA graph):
   ``acc += P V`` (P rounded to BF16 for the tensor-core product).
 * v2 (the default) runs the blocks wholly below start_pos in a software-pipelined loop without
   masks, and a split of at most KV_FIRST blocks (every split of a 4K ring or an 8K cache) requests
-  its first block's K and V before Q, so its loads cost one memory round trip, not Q's then K/V's.
+  its first block's K and V before Q, so its loads cost one memory round trip, not Q's then K/V's;
+  with PDL, before its wait for the kernel that writes the new rows if the block lies below them.
 * It writes its un-normalised partial (acc, m, l) for the valid packed rows; empty splits write
   nothing. The running max starts at a finite -1e30, so a row that sees no key in a split keeps
   l = 0 and acc = 0 without NaNs.
@@ -116,6 +117,13 @@ TMA = False
 # 8K cache has one block), within noise at 64K; 8 made the 64K call 1.5x slower (eight unpipelined
 # blocks).
 KV_FIRST = 1
+# v2 with PDL: a short split (KV_FIRST) whose first block lies wholly below start_pos reads that block's
+# K and V before griddepcontrol.wait (keyword kv_before_wait), so its DRAM round trip overlaps the
+# kernel before (rope_kv_write, which releases this one at its start). Safe: rows below start_pos were
+# written by earlier passes, and every kernel of the runtime waits for its predecessor before it
+# completes (or is launched plainly), so they are complete once the kernel before this one has begun;
+# the rows at start_pos and after, which that kernel writes, are read after the wait.
+KV_BEFORE_WAIT = True
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -187,10 +195,11 @@ def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.conste
 
 @triton.jit
 def _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b, R, IS_RING: tl.constexpr,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, load_ok=True, k_other=0.0, v_other=0.0):
     """Key block ``b`` of the logical range starting at ``lo``: its K and V tiles (keys past the
     range's end read as zeros; ring slots pos % R), positions and validity. Both loads are issued
-    before either is used, so the block costs one memory round trip, not two."""
+    before either is used, so the block costs one memory round trip, not two. ``load_ok`` false:
+    nothing is read and the tiles are ``k_other`` / ``v_other`` (zeros past the range's end)."""
     offs_d = tl.arange(0, HEAD_DIM)
     pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = pos < seq_end
@@ -199,9 +208,9 @@ def _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b, R, IS_RING:
     else:
         slot = pos
     k = tl.load(k_base + slot[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                mask=key_ok[:, None], other=0.0)
+                mask=key_ok[:, None] & load_ok, other=k_other)
     v = tl.load(v_base + slot[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                mask=key_ok[:, None], other=0.0)
+                mask=key_ok[:, None] & load_ok, other=v_other)
     return k, v, pos, key_ok
 
 
@@ -372,7 +381,7 @@ def _attn_split_v2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
-    KV_FIRST: tl.constexpr = 0,
+    KV_FIRST: tl.constexpr = 0, KV_BEFORE_WAIT: tl.constexpr = False, _EARLY_BUG: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -403,6 +412,14 @@ def _attn_split_v2_kernel(
                 _prefetch_kv_rows(K, V, kvh, stride_kh, stride_kn, stride_vh, stride_vn,
                                   tl.minimum((b_mid + j) * BLOCK_N + tl.arange(0, BLOCK_N), seq_end - 1),
                                   HEAD_DIM)
+    short = (b_begin < b_end) & (b_end - b_begin <= KV_FIRST)
+    if KV_BEFORE_WAIT:   # a short split's first block, if every key in it lies below start_pos
+        # (rows of earlier steps, complete before this kernel's predecessor began), before the wait
+        # (_EARLY_BUG, the tests' negative control: also the block holding the new rows)
+        early = short & ((lo + (b_begin + 1) * BLOCK_N <= start) | _EARLY_BUG)
+        k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
+        k_e, v_e, pos_e, ok_e = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R,
+                                           IS_RING, BLOCK_N, HEAD_DIM, load_ok=early)
     if PDL:
         if not IS_RING:
             last = tl.maximum(tl.minimum(b_end, start // BLOCK_N) * BLOCK_N - 1, 0)
@@ -412,10 +429,15 @@ def _attn_split_v2_kernel(
         gdc_wait()
         gdc_launch_dependents()
     _stamp(TL, prog, 2, TIMELINE)
-    if b_begin < b_end and b_end - b_begin <= KV_FIRST:   # short split: K/V, then Q, all masked
-        k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
-        k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R, IS_RING,
-                                       BLOCK_N, HEAD_DIM)
+    if short:   # short split: K/V, then Q, all masked
+        if KV_BEFORE_WAIT:   # (the block read before the wait is kept; any other is read now)
+            k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R,
+                                           IS_RING, BLOCK_N, HEAD_DIM, load_ok=early == 0, k_other=k_e,
+                                           v_other=v_e)
+        else:
+            k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
+            k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R,
+                                           IS_RING, BLOCK_N, HEAD_DIM)
         q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
         q_pos = start + row_i
         m_i, l_i, acc = _masked_update(q, q_pos, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc, WINDOW, IS_RING)
@@ -636,7 +658,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             _drop_last=False,
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
-            kv_first=None):
+            kv_first=None, kv_before_wait=None, _early_bug=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -720,7 +742,10 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     split_kernel, extra = ((_attn_split_v2_kernel, dict(PDL=pdl, MID_BUG=bool(_mid_bug), PREFETCH=prefetch,
                                                         TIMELINE=timeline, TAIL_PREFETCH=tail_prefetch,
                                                         KD=kd, VD=vd, TMA=kd is not None,
-                                                        KV_FIRST=KV_FIRST if kv_first is None else int(kv_first)))
+                                                        KV_FIRST=KV_FIRST if kv_first is None else int(kv_first),
+                                                        KV_BEFORE_WAIT=(pdl and KV_BEFORE_WAIT) if kv_before_wait is None
+                                                        else bool(kv_before_wait),
+                                                        _EARLY_BUG=bool(_early_bug)))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -763,7 +788,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None):
+                          kv_first=None, kv_before_wait=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -783,19 +808,22 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     the combine releases the kernel after the call at its start (griddepcontrol.launch_dependents), for
     a successor that is a programmatic dependent; off by default (the q1 step measured 0.6-0.8 %
     slower with it, session 14), and the benchmarks time a call without overlap with the next.
-    ``kv_first`` (v2): splits of at most this many key blocks request K/V before Q (None: KV_FIRST).
+    ``kv_first`` (v2): splits of at most this many key blocks request K/V before Q (None: KV_FIRST);
+    ``kv_before_wait`` (v2): such a split reads a first block that lies wholly below start_pos before
+    its wait (None: KV_BEFORE_WAIT with PDL, off without), so rows below start_pos must not be written
+    by a kernel that may still run when the call's predecessor begins.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
-                   kv_first=kv_first)
+                   kv_first=kv_first, kv_before_wait=kv_before_wait)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None):
+                          kv_first=None, kv_before_wait=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -805,7 +833,7 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
-                   kv_first=kv_first)
+                   kv_first=kv_first, kv_before_wait=kv_before_wait)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

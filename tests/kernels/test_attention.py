@@ -12,6 +12,9 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 
 from ._checks import max_row_rel_err
 from .conftest import HAS_CUDA, cpu_only, load_kernels
@@ -189,6 +192,82 @@ def test_pdl_without_the_wait_is_caught():
     assert worst[False] < TOL and worst[True] > TOL, worst
 
 
+@triton.jit
+def _late_rows_writer(NEW_K, NEW_V, K, V, START, W, R, SPIN_NS, D: tl.constexpr):
+    """What rope_kv_write does, late: releases its programmatic dependent at its start, spins SPIN_NS
+    of the global timer, then writes the W new K/V rows (positions start_pos + i, slots mod R)."""
+    gdc_launch_dependents()
+    t0 = globaltimer()
+    t = globaltimer()
+    while t - t0 < SPIN_NS:
+        t = globaltimer()
+    rows = tl.arange(0, 8)
+    ok = rows < W
+    slot = ((tl.load(START) + rows) % R).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    src = rows[:, None] * D + offs_d[None, :]
+    dst = slot[:, None] * D + offs_d[None, :]
+    tl.store(K + dst, tl.load(NEW_K + src, mask=ok[:, None], other=0.0), mask=ok[:, None])
+    tl.store(V + dst, tl.load(NEW_V + src, mask=ok[:, None], other=0.0), mask=ok[:, None])
+
+
+def _late_rows_error(A, ring, bug):
+    """Max relative error of a call launched (PDL) behind ``_late_rows_writer`` in one CUDA graph, with
+    kv_before_wait: the new rows dominate the softmax (keys along each row's query, large values) and
+    the cache first holds stale rows at their slots. 8K full cache / 4K ring at start 100000: every
+    split has one key block."""
+    w, d, window = 8, Q1["d"], Q1["window"]
+    if ring:
+        start = 100000
+        q, hk, hv, k, v, sinks = make_ring(w, Q1["nh"], 1, d, start, window, window + 64, seed=21)
+    else:
+        start = 8192 - w
+        q, k, v, sinks = make_full(w, Q1["nh"], 1, d, start, seed=21)
+        hk, hv = k, v
+    g = torch.Generator().manual_seed(22)
+    new_k = (q[:, 0].float() * 4).to(torch.bfloat16).contiguous()           # large logits for row i's head 0
+    new_v = (torch.randn(w, d, generator=g) * 8).to(torch.bfloat16).cuda()
+    R = k.shape[1]
+    slots = (start + torch.arange(w, device="cuda")) % R
+    k[0, slots] = (torch.randn(w, d, generator=g) * 0.01).to(torch.bfloat16).cuda()   # stale rows
+    v[0, slots] = torch.zeros(w, d, dtype=torch.bfloat16, device="cuda")
+    hk, hv = hk.clone(), hv.clone()
+    hk[0, start:start + w] = new_k
+    hv[0, start:start + w] = new_v
+    sp = torch.tensor(start, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    k0, v0 = k.clone(), v.clone()
+    kw = dict(ring=ring, window=window if ring else 0, variant="v2", pdl=True, num_splits=None,
+              kv_before_wait=True, _early_bug=bug)
+    A._launch(q, k, v, sp, sinks, out, **kw)   # compile outside the capture
+    torch.cuda.synchronize()
+    g_ = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_):
+        _late_rows_writer[(1,)](new_k, new_v, k, v, sp, w, R, 20000, D=d)
+        A._launch(q, k, v, sp, sinks, out, **kw)
+    worst = 0.0
+    for _ in range(3):
+        k.copy_(k0)
+        v.copy_(v0)
+        out.fill_(float("nan"))
+        g_.replay()
+        torch.cuda.synchronize()
+        ref = A.attention_reference(q, hk, hv, start, sinks, window=window if ring else None)
+        worst = max(worst, max_row_rel_err(out, ref))
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring", [False, True], ids=["full8K", "ring4K"])
+def test_kv_before_wait_reads_new_rows_after_the_wait(ring):
+    """kv_before_wait reads only blocks wholly below start_pos before the wait: behind a predecessor
+    that writes the new rows 20 us after releasing the call, the result is right; the negative
+    control (``_early_bug``: the block holding the new rows read early too) reads the stale rows."""
+    A = load_kernels("attention")
+    assert _late_rows_error(A, ring, bug=False) < TOL
+    assert _late_rows_error(A, ring, bug=True) > TOL
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 8])
 @pytest.mark.parametrize("edge", range(4))
@@ -349,12 +428,16 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 
 @cpu_only
 @pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
-                                  dict(kv_first=1), dict(kv_first=4), dict(kv_first=0)],
-                         ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0"])
+                                  dict(kv_first=1), dict(kv_first=4), dict(kv_first=0),
+                                  dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False)],
+                         ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0",
+                              "kv_before_wait", "kv_after_wait"])
 def test_interp_v2_options(opts):
-    """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine and the short
+    """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine, the short
     splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full
-    shape's; 0: off), full and ring, with the sinkless negative control."""
+    shape's; 0: off) and its first block split into a load before the wait and one after
+    (kv_before_wait; the interpreter has no wait, so only the values are checked), full and ring,
+    with the sinkless negative control."""
     A = load_kernels("attention")
     kw = dict(num_splits=3, variant="v2", **opts)
     assert run_full(A, MINI, 8, 700, seed=3, **kw) < TOL
