@@ -628,13 +628,14 @@ def main() -> int:
     ap.add_argument("--no-mini", action="store_true")
     ap.add_argument("--no-q1", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip further q1 contexts past this")
-    ap.add_argument("--ab", type=lambda v: [x for x in v.split(",") if x], default=[],
-                    help=f"same-run A/B of the fast graph against variants, alternating replays: "
-                         f"{', '.join(AB_VARIANTS)}")
+    ap.add_argument("--ab", type=lambda v: [x for x in v.split(",") if x], nargs="+", default=[],
+                    help=f"same-run A/B of the fast graph against variants, alternating replays (names "
+                         f"separated by commas or spaces): {', '.join(AB_VARIANTS)}")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the fast step's CUDA graph per kernel (torch.profiler): device time "
                          "per part of the step (attention, MoE, GEMMs, norms, torch glue), top kernels")
     args = ap.parse_args()
+    args.ab = [name for names in args.ab for name in names]
     unknown = [n for n in args.ab if n not in AB_VARIANTS]
     if unknown:
         ap.error(f"--ab: unknown variants {unknown}; known: {', '.join(AB_VARIANTS)}")
