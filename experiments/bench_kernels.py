@@ -461,8 +461,10 @@ def bench_router(copy_bw, l2, sweep):
         cnt = torch.zeros(1, dtype=torch.int32, device=DEV)
         outs = [(torch.empty(w, 8, dtype=torch.int32, device=DEV), torch.empty(w, 8, device=DEV)) for _ in data]
         nbytes = E * H * 2 + w * H * 2 + w * 8 * 8
-        calls = [(lambda x=x, r=r, o=o: RT.route_topk(x, r, 8, counter=cnt, ids=o[0], weights=o[1]))
-                 for (x, r), o in zip(data, outs)]
+        def router_calls(**kw):   # one route_topk call per input set, with keywords kw
+            return [(lambda x=x, r=r, o=o: RT.route_topk(x, r, 8, counter=cnt, ids=o[0], weights=o[1], **kw))
+                    for (x, r), o in zip(data, outs)]
+        calls = router_calls()
 
         def torch_route(x, r32):   # Model.route with FastModel's FP32 router copy
             top, ids = (x.float() @ r32.T).topk(8, dim=-1)
@@ -475,9 +477,7 @@ def bench_router(copy_bw, l2, sweep):
         # (bench_step.py --ab router_weights_after) is the measure that counts
         for name, kw in (("weights_after", dict(weights_first=False)), ("no_pdl", dict(pdl=False)),
                          ("no_pdl_weights_after", dict(pdl=False, weights_first=False))):
-            record("router", f"E{E}_H{H}_w{w}", name,
-                   [(lambda x=x, r=r, o=o, kw=kw: RT.route_topk(x, r, 8, counter=cnt, ids=o[0], weights=o[1], **kw))
-                    for (x, r), o in zip(data, outs)], nbytes, copy_bw, eager=False)
+            record("router", f"E{E}_H{H}_w{w}", name, router_calls(**kw), nbytes, copy_bw, eager=False)
         del data, r32
 
 

@@ -88,7 +88,7 @@ def ptx_problems(sink) -> list[str]:
             if bool(kwargs[key]) != (mark in ptx) and not (other and mark in ptx):
                 out.append(f"{name} {grid}: {key}={kwargs[key]} but {mark!r} {'absent' if kwargs[key] else 'present'}")
         key = EARLY_LOADS.get(name)
-        if key and kwargs.get("PDL") and (name != "_moe_reduce_kernel" or kwargs.get("NORM")):
+        if key and kwargs.get("PDL"):
             lines = ptx.splitlines()   # weights read before the wait: loads precede it in the PTX
             wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
             early = sum("ld.global" in ln for ln in lines[:wait])
