@@ -7,6 +7,7 @@ shims the interpreter needs. ``DEV`` is the device the benchmark runs on.
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import sys
 import time
@@ -100,3 +101,31 @@ def write_results(name: str, payload: dict, rows: list[dict]) -> str | None:
         wr.writeheader()
         wr.writerows(rows)
     return out
+
+
+def paired_rounds(graphs: dict, rounds: int, calls_per_graph: int) -> dict:
+    """Replay every graph once per round, in a fresh (seeded) random order each round, and return
+    {name: [microseconds per call, one per round]}. With a fixed rotation each graph always followed
+    the same one, and the after-effects of one replay (dirty L2 lines written back) fell on one config
+    (session 16); shuffled, every graph follows every other about equally often."""
+    names = list(graphs)
+    times = {n: [] for n in names}
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in names]
+    for r in range(rounds):
+        order = random.Random(r).sample(names, len(names))
+        for (e0, e1), n in zip(ev, order):
+            e0.record()
+            graphs[n].replay()
+            e1.record()
+        torch.cuda.synchronize()
+        for (e0, e1), n in zip(ev, order):
+            times[n].append(e0.elapsed_time(e1) * 1e3 / calls_per_graph)
+    return times
+
+
+def paired_stats(times: list, base: list) -> dict:
+    """Median time per call and, against the baseline's rounds, the median per-round ratio with its
+    10-90 % range (a difference is worth acting on when that range excludes 1)."""
+    ratios = sorted(t / b for t, b in zip(times, base))
+    return dict(us=statistics.median(times), ratio=statistics.median(ratios),
+                ratio_p10=ratios[len(ratios) // 10], ratio_p90=ratios[(9 * len(ratios)) // 10])

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import re
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DRY_RUN, capture_graph, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import DRY_RUN, capture_graph, copy_bandwidth, paired_rounds, paired_stats, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -178,28 +176,13 @@ def main():
                 print(f"{shape}: dry run of {len(names)} configs", flush=True)
                 continue
             graphs = {n: capture_graph(calls[n]) for n in names}
-            times = {n: [] for n in names}
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in names]
-            for r in range(args.rounds):
-                # A fresh order every round (seeded): with a rotation each config always followed the
-                # same one, and the config after the `copy` probe read 4-8 % slow at 64K / 192K (the
-                # probe's 32 MiB of dirty L2 lines are written back during the next replay; session 16,
-                # calls 1-7). Shuffled, every config follows every other about equally often.
-                order = random.Random(r).sample(names, len(names))
-                for (e0, e1), n in zip(ev, order):
-                    e0.record()
-                    graphs[n].replay()
-                    e1.record()
-                torch.cuda.synchronize()
-                for (e0, e1), n in zip(ev, order):
-                    times[n].append(e0.elapsed_time(e1) * 1e3 / sets)
+            times = paired_rounds(graphs, args.rounds, sets)
             base = times[names[0]]
             for n in names:
-                ratios = sorted(t / b for t, b in zip(times[n], base))
-                med = statistics.median(times[n])
-                row = dict(shape=shape, ctx=c_, w=w, config=n, us=med, frac=nbytes / (med * 1e-6) / copy_bw,
-                           ratio=statistics.median(ratios), ratio_p10=ratios[len(ratios) // 10],
-                           ratio_p90=ratios[(9 * len(ratios)) // 10], rounds=args.rounds, sets=sets)
+                st = paired_stats(times[n], base)
+                med = st["us"]
+                row = dict(shape=shape, ctx=c_, w=w, config=n, frac=nbytes / (med * 1e-6) / copy_bw, **st,
+                           rounds=args.rounds, sets=sets)
                 rows.append(row)
                 raw[f"{shape}_{n}"] = times[n]
                 print(f"{shape:>12} {n:>18} {med:8.2f} us  frac {row['frac']:.3f}  "

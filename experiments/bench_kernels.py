@@ -285,10 +285,9 @@ def routing(w, E, distinct, seed):
     raise RuntimeError("no routing with the requested distinct count")
 
 
-def bench_moe(copy_bw, l2, sweep):
-    H, I, E, w = MOE["H"], MOE["I"], MOE["E"], MOE["w"]
-    expert_bytes = 2 * I * H + H * I + (2 * I // 128) * (H // 128) * 4 + (H // 128) * (I // 128) * 4
-    sets = MOE["sets"]  # 3 x 576 MiB of expert weights: far beyond the 60 MB L2
+def moe_sets(sets):
+    """``sets`` rotating q1-shard expert weight sets (w13, s13, w2, s2): 3 x 576 MiB, far beyond L2."""
+    H, I, E = MOE["H"], MOE["I"], MOE["E"]
     weights = []
     for _ in range(sets):
         w13 = torch.randn(E, 2 * I, H, device=DEV).to(torch.float8_e4m3fn)
@@ -296,16 +295,39 @@ def bench_moe(copy_bw, l2, sweep):
         w2 = torch.randn(E, H, I, device=DEV).to(torch.float8_e4m3fn)
         s2 = (torch.rand(E, H // 128, I // 128, device=DEV) + 0.5) / math.sqrt(I)
         weights.append((w13, s13, w2, s2))
+    return weights
+
+
+def moe_data(weights, w, distinct):
+    """One call's inputs per weight set: (x, ids, topk weights, weights, out), the routing's union
+    exactly ``distinct`` experts."""
+    H, E = MOE["H"], MOE["E"]
+    data = []
+    for i, wt in enumerate(weights):
+        ids = routing(w, E, distinct, seed=i).to(DEV)
+        tw = torch.rand(w, 8, device=DEV) + 0.05
+        tw = tw / tw.sum(1, keepdim=True)
+        # FP16 x holding BF16 values: what the runtime passes (the norm's out16)
+        x = torch.randn(w, H, device=DEV).to(torch.bfloat16).to(torch.float16)
+        data.append((x, ids, tw, wt, torch.empty(w, H, device=DEV, dtype=torch.bfloat16)))
+    return data
+
+
+def moe_bytes(w, distinct):
+    """Minimum bytes of (the whole MoE call, its v1 Down launch): the distinct experts' weights and
+    scales, plus x and out / the Down's FP32 per-pair output."""
+    H, I = MOE["H"], MOE["I"]
+    expert_bytes = 2 * I * H + H * I + (2 * I // 128) * (H // 128) * 4 + (H // 128) * (I // 128) * 4
+    dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
+    return distinct * expert_bytes + 2 * w * H * 2 + w * 8 * 8, dn_bytes + w * 8 * H * 4
+
+
+def bench_moe(copy_bw, l2, sweep):
+    H, I, E, w = MOE["H"], MOE["I"], MOE["E"], MOE["w"]
+    weights = moe_sets(MOE["sets"])
     for label, distinct in ((f"realistic{MOE['realistic']}", MOE["realistic"]), (f"distinct{w * 8}", w * 8)):
-        data = []
-        for i, wt in enumerate(weights):
-            ids = routing(w, E, distinct, seed=i).to(DEV)
-            tw = torch.rand(w, 8, device=DEV) + 0.05
-            tw = tw / tw.sum(1, keepdim=True)
-            # FP16 x holding BF16 values: what the runtime passes (the norm's out16)
-            x = torch.randn(w, H, device=DEV).to(torch.bfloat16).to(torch.float16)
-            data.append((x, ids, tw, wt, torch.empty(w, H, device=DEV, dtype=torch.bfloat16)))
-        nbytes = distinct * expert_bytes + 2 * w * H * 2 + w * 8 * 8
+        data = moe_data(weights, w, distinct)
+        nbytes = moe_bytes(w, distinct)[0]
         ref_calls = [(lambda x=x, ids=ids, tw=tw, wt=wt: M.moe_reference(x, ids, tw, *wt))
                      for x, ids, tw, wt, _ in data[:2]]
         # "default" = M.MOE_VARIANT; v1 and v2 always, for A/B (variant="v1" / variant="v2").

@@ -20,15 +20,19 @@ import math
 import pytest
 import torch
 
-from ._checks import rel_err
+from ._checks import max_row_rel_err, rel_err
 from .conftest import HAS_CUDA, cpu_only, load_kernels
 
 TOL_EMU = 1.5e-2
 TOL_FP32 = 6e-2
+# The wide Down alone against the exact sum of its own products (per pair, relative), by operand type:
+# the activations' rounding to FP16 (11 bits) / BF16 (8 bits) and FP32 accumulation.
+TOL_DOWN = {True: 1e-3, False: 1e-2}
 
 Q1 = dict(H=6144, I=256, E=128)
 MINI = dict(H=256, I=128, E=32)
 MINI_K = dict(H=512, I=128, E=16)   # 4 H blocks: split-K with 4, and 3 (uneven: one empty split)
+MINI_I = dict(H=256, I=256, E=16)   # 2 I blocks: the Down's wrong scale block is another block
 VARIANTS = ("v1", "v2")
 
 
@@ -285,6 +289,38 @@ def test_wide_down_matches_v1_and_rejects_scale_bug():
     assert _rejected(run_case(M, Q1, 6, "shared", seed=5, weights=_q1_weights(), down_nb=4, _scale_bug=True))
 
 
+def down_case(M, shape, w, kind, seed, weights=None, **kw):
+    """The wide Down alone on random E4M3 activations with random positive block scales: the worst
+    per-pair relative error of its FP32 output y against the exact FP64 sum of its products. Every
+    pair belongs to some expert group, so every row of y is written (NaN-poisoned first)."""
+    H, I, E = shape["H"], shape["I"], shape["E"]
+    w13, s13, w2, s2 = weights if weights is not None else make_weights(H, I, E, seed)
+    g = torch.Generator().manual_seed(seed + 3)
+    ids, _ = make_routing(w, E, kind, seed + 2)
+    P, blk = w * 8, M.GU_BLOCK_N
+    act = torch.randn(P, I, generator=g).mul(64).clamp(-448, 448).to(torch.float8_e4m3fn).to(_dev())
+    act_scale = (torch.rand(P, -(-I // blk), generator=g) + 0.01).to(_dev())
+    a = act.double() * act_scale.double().repeat_interleave(blk, 1)[:, :I]
+    ref = torch.einsum("phi,pi->ph", M._dequant(w2, s2, H, I).double()[ids.view(-1).long()], a)
+    y = torch.full((P, H), float("nan"), device=_dev())
+    M._launch_down_wide(act, act_scale, ids, w2, s2, y, P, **kw)
+    return max_row_rel_err(y, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nb,stages,f16", [(8, None, True), (4, 2, True), (12, 4, True), (5, 3, False)])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
+def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16):
+    """The wide Down alone against the exact sum of its products: only the operands' rounding (FP16:
+    each activation rounded to 11 bits after the pair's scale, H200 session 18: 2.1-2.3e-4; BF16: 8
+    bits) and FP32 accumulation are left, far below the whole MoE's tolerance. Negative control: the
+    wrong weight scale block."""
+    M = load_kernels("moe")
+    kw = dict(nb=nb, num_stages=stages, f16=f16)
+    assert down_case(M, Q1, w, kind, seed=40 + w + nb, weights=_q1_weights(), **kw) < TOL_DOWN[f16]
+    assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
+
+
 # ------------------------------------------------------------------------------ CPU interpreter
 # The interpreter loads and upcasts E4M3 correctly; its FP32->E4M3 conversion is not used (the
 # kernel encodes E4M3 with integer arithmetic), so the FP8 paths run on the CPU too.
@@ -321,6 +357,14 @@ def test_interp_mini_gu_block_n(bn):
     M = load_kernels("moe")
     assert _ok(run_case(M, MINI, 6, "shared", seed=bn, gu_block_n=bn, down_nb=2))
     assert _rejected(run_case(M, MINI_K, 6, "shared", seed=5, gu_block_n=bn, _scale_bug=True))
+
+
+@cpu_only
+@pytest.mark.parametrize("nb,w,kind,f16", [(2, 4, "random", True), (3, 6, "shared", False)])
+def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16):
+    M = load_kernels("moe")
+    assert down_case(M, MINI, w, kind, seed=w, nb=nb, f16=f16) < TOL_DOWN[f16]
+    assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, scale_bug=True) > TOL_EMU
 
 
 @cpu_only

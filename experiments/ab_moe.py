@@ -1,0 +1,118 @@
+"""Paired A/B of fused MoE options on the GPU: the configs' graphs replayed in alternation.
+
+    OUT=... python3 experiments/ab_moe.py [--configs default,nb4,...] [--distinct 38,48] [--widths 6]
+                                          [--rounds 40] [--dry-run]
+
+Each config gets one CUDA graph holding one call per rotating weight set (3 x 576 MiB of q1-shard
+expert weights, far beyond L2, exactly as ``bench_kernels.py`` times the MoE); every round replays
+every config's graph once, in a fresh (seeded) random order (``_bench.paired_rounds``). A config
+named ``down:NAME`` times only the Down launch of NAME's plan (its Gate/Up run once beforehand to fill
+the activations), like the breakdown rows of ``bench_kernels.py``. Per shape and config it prints the
+median time per call, the fraction of the copy bandwidth (whole MoE: weights of the distinct experts
+plus x and out; Down: its weights plus the FP32 per-pair output) and, against the first config of its
+kind (whole or ``down:``), the median per-round ratio with its 10-90 % range.
+$OUT/ab_moe.json/.csv hold every round's times.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import DRY_RUN, DEV, capture_graph, copy_bandwidth, paired_rounds, paired_stats, write_results  # noqa: E402,I001
+
+import torch  # noqa: E402
+
+from bench_kernels import MOE, moe_bytes, moe_data, moe_sets  # noqa: E402
+from runtime.kernels import moe as M  # noqa: E402
+
+CONFIGS = {
+    "default": {},
+    "default_again": {},
+    # the wide Down's shape: column blocks per program and pipeline stages (defaults DOWN_NB = 8, 3)
+    "nb4": dict(down_nb=4),
+    "nb6": dict(down_nb=6),
+    "nb12": dict(down_nb=12),
+    "down_st2": dict(down_num_stages=2),
+    "down_st4": dict(down_num_stages=4),
+    # BF16 operands in the wide Down (FP16 since session 10)
+    "down_bf16": dict(down_f16=False),
+    # Gate/Up one K step per iteration (two since session 13)
+    "gu_unroll1": dict(gu_unroll=1),
+    # Gate/Up, Down and reduce launched plainly (no programmatic dependent launch)
+    "no_pdl": dict(pdl=False),
+}
+
+
+def _calls(name, data):
+    """The graph's calls for config ``name``: whole MoE calls, or for ``down:NAME`` the Down launch of
+    each set's plan (the plan's launches run once here, so the activations are real)."""
+    down = name.startswith("down:")
+    kw = CONFIGS[name.split(":", 1)[1] if down else name]
+    if not down:
+        return [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o: M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
+                for x, ids, tw, wt, o in data]
+    out = []
+    for x, ids, tw, wt, o in data:
+        steps = dict(M.moe_plan(x, ids, tw, *wt, o, **kw)[1])
+        for launch in steps.values():
+            launch()
+        out.append(steps["down"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="default,default_again,down:default,down:down_bf16",
+                    help="comma list; the first whole and the first down: config are the baselines. "
+                         f"Known: {', '.join(CONFIGS)} (each also as down:NAME)")
+    ap.add_argument("--distinct", default=None, help="distinct experts per layer (default: realistic and all w x 8)")
+    ap.add_argument("--widths", default=str(MOE["w"]))
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes, one call, no timing")
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = [n for n in names if n.split(":", 1)[-1] not in CONFIGS or (":" in n and not n.startswith("down:"))]
+    if unknown:
+        ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)} (each also as down:NAME)")
+    H, I, E = MOE["H"], MOE["I"], MOE["E"]
+    copy_bw = copy_bandwidth()[0]
+    weights = moe_sets(MOE["sets"])
+    rows, raw = [], {}
+    for w in [int(v) for v in args.widths.split(",")]:
+        distinct = ([int(v) for v in args.distinct.split(",")] if args.distinct
+                    else [MOE["realistic"], w * 8])
+        for dist in distinct:
+            data = moe_data(weights, w, dist)
+            whole_bytes, down_bytes = moe_bytes(w, dist)
+            calls = {n: _calls(n, data) for n in names}
+            shape = f"w{w}_distinct{dist}"
+            if DRY_RUN:
+                for n in names:
+                    calls[n][0]()
+                print(f"{shape}: dry run of {len(names)} configs", flush=True)
+                continue
+            graphs = {n: capture_graph(calls[n]) for n in names}
+            times = paired_rounds(graphs, args.rounds, len(data))
+            base = {kind: next(n for n in names if n.startswith("down:") == kind) for kind in (False, True)
+                    if any(n.startswith("down:") == kind for n in names)}
+            for n in names:
+                down = n.startswith("down:")
+                st = paired_stats(times[n], times[base[down]])
+                nbytes = down_bytes if down else whole_bytes
+                row = dict(shape=shape, w=w, distinct=dist, config=n, frac=nbytes / (st["us"] * 1e-6) / copy_bw,
+                           bytes=nbytes, **st, rounds=args.rounds, sets=len(data))
+                rows.append(row)
+                raw[f"{shape}_{n}"] = times[n]
+                print(f"{shape:>16} {n:>18} {st['us']:8.2f} us  frac {row['frac']:.3f}  ratio {st['ratio']:.4f} "
+                      f"[{st['ratio_p10']:.4f}, {st['ratio_p90']:.4f}] vs {base[down]}", flush=True)
+            del graphs, data, calls
+            torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s  ({DEV}, H {H}, I {I}, E {E})")
+    write_results("ab_moe", {"copy_Bps": copy_bw, "configs": {n: repr(CONFIGS[n.split(':', 1)[-1]]) for n in names},
+                             "times_us": raw}, rows)
+
+
+if __name__ == "__main__":
+    main()
