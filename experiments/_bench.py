@@ -129,3 +129,29 @@ def paired_stats(times: list, base: list) -> dict:
     ratios = sorted(t / b for t, b in zip(times, base))
     return dict(us=statistics.median(times), ratio=statistics.median(ratios),
                 ratio_p10=ratios[len(ratios) // 10], ratio_p90=ratios[(9 * len(ratios)) // 10])
+
+
+def replay_paired(calls: dict, rounds: int, shape: str) -> dict | None:
+    """{config: [calls]} -> {config: [microseconds per call, one per round]}: one graph per config,
+    replayed by ``paired_rounds``. With --dry-run: each config's first call once on the CPU, a line
+    saying so, and None."""
+    if DRY_RUN:
+        for c in calls.values():
+            c[0]()
+        print(f"{shape}: dry run of {len(calls)} configs", flush=True)
+        return None
+    graphs = {n: capture_graph(c) for n, c in calls.items()}
+    times = paired_rounds(graphs, rounds, len(next(iter(calls.values()))))
+    del graphs
+    return times
+
+
+def paired_row(shape: str, config: str, times: list, base: list, nbytes: int, copy_bw: float, note: str = "",
+               **extra) -> dict:
+    """One config's result row against its baseline's rounds (``paired_stats``, the fraction of the
+    copy bandwidth its bytes reach), printed as one line."""
+    st = paired_stats(times, base)
+    row = dict(shape=shape, config=config, frac=nbytes / (st["us"] * 1e-6) / copy_bw, bytes=nbytes, **st, **extra)
+    print(f"{shape:>16} {config:>18} {st['us']:8.2f} us  frac {row['frac']:.3f}  ratio {st['ratio']:.4f} "
+          f"[{st['ratio_p10']:.4f}, {st['ratio_p90']:.4f}]{note}", flush=True)
+    return row

@@ -22,7 +22,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DRY_RUN, capture_graph, copy_bandwidth, paired_rounds, paired_stats, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import DRY_RUN, copy_bandwidth, paired_row, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -170,24 +170,15 @@ def main():
                       for q, k, v, s, sp, o in data]
                      for n in names}
             shape = f"full{c_ // 1024}K_w{w}"
-            if DRY_RUN:
-                for n in names:
-                    calls[n][0]()
-                print(f"{shape}: dry run of {len(names)} configs", flush=True)
+            times = replay_paired(calls, args.rounds, shape)
+            if times is None:
                 continue
-            graphs = {n: capture_graph(calls[n]) for n in names}
-            times = paired_rounds(graphs, args.rounds, sets)
             base = times[names[0]]
             for n in names:
-                st = paired_stats(times[n], base)
-                med = st["us"]
-                row = dict(shape=shape, ctx=c_, w=w, config=n, frac=nbytes / (med * 1e-6) / copy_bw, **st,
-                           rounds=args.rounds, sets=sets)
-                rows.append(row)
+                rows.append(paired_row(shape, n, times[n], base, nbytes, copy_bw, ctx=c_, w=w, rounds=args.rounds,
+                                       sets=sets))
                 raw[f"{shape}_{n}"] = times[n]
-                print(f"{shape:>12} {n:>18} {med:8.2f} us  frac {row['frac']:.3f}  "
-                      f"ratio {row['ratio']:.3f} [{row['ratio_p10']:.3f}, {row['ratio_p90']:.3f}]", flush=True)
-            del graphs, data, calls
+            del data, calls
             torch.cuda.empty_cache()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     write_results("ab_attention", {"copy_Bps": copy_bw, "configs": {n: repr(CONFIGS[n]) for n in names},

@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DRY_RUN, DEV, capture_graph, copy_bandwidth, paired_rounds, paired_stats, write_results  # noqa: E402,I001
+from _bench import DEV, copy_bandwidth, paired_row, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 
@@ -88,26 +88,18 @@ def main():
             whole_bytes, down_bytes = moe_bytes(w, dist)
             calls = {n: _calls(n, data) for n in names}
             shape = f"w{w}_distinct{dist}"
-            if DRY_RUN:
-                for n in names:
-                    calls[n][0]()
-                print(f"{shape}: dry run of {len(names)} configs", flush=True)
+            times = replay_paired(calls, args.rounds, shape)
+            if times is None:
                 continue
-            graphs = {n: capture_graph(calls[n]) for n in names}
-            times = paired_rounds(graphs, args.rounds, len(data))
             base = {kind: next(n for n in names if n.startswith("down:") == kind) for kind in (False, True)
                     if any(n.startswith("down:") == kind for n in names)}
             for n in names:
                 down = n.startswith("down:")
-                st = paired_stats(times[n], times[base[down]])
-                nbytes = down_bytes if down else whole_bytes
-                row = dict(shape=shape, w=w, distinct=dist, config=n, frac=nbytes / (st["us"] * 1e-6) / copy_bw,
-                           bytes=nbytes, **st, rounds=args.rounds, sets=len(data))
-                rows.append(row)
+                rows.append(paired_row(shape, n, times[n], times[base[down]], down_bytes if down else whole_bytes,
+                                       copy_bw, f" vs {base[down]}", w=w, distinct=dist, rounds=args.rounds,
+                                       sets=len(data)))
                 raw[f"{shape}_{n}"] = times[n]
-                print(f"{shape:>16} {n:>18} {st['us']:8.2f} us  frac {row['frac']:.3f}  ratio {st['ratio']:.4f} "
-                      f"[{st['ratio_p10']:.4f}, {st['ratio_p90']:.4f}] vs {base[down]}", flush=True)
-            del graphs, data, calls
+            del data, calls
             torch.cuda.empty_cache()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s  ({DEV}, H {H}, I {I}, E {E})")
     write_results("ab_moe", {"copy_Bps": copy_bw, "configs": {n: repr(CONFIGS[n.split(':', 1)[-1]]) for n in names},
