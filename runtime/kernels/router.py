@@ -54,6 +54,12 @@ PDL = True
 WEIGHTS_FIRST = True
 
 
+@triton.jit
+def _tile(P, offs_r, r_ok, stride, kk, k_ok):
+    """P[offs_r, kk] (rows of x or of the router), zero outside r_ok x k_ok."""
+    return tl.load(P + offs_r[:, None] * stride + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+
+
 @triton.jit(launch_metadata=launch_signature)
 def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, stride_w, T,
                    H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, HS: tl.constexpr,
@@ -73,21 +79,18 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
     if WEIGHTS_FIRST:   # the router slice before the wait (weights: no predecessor writes them)
         kk = h_lo + tl.arange(0, HS_POW2)
         k_ok = kk < h_hi
-        r = tl.load(R + offs_e[:, None] * stride_r + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        r = _tile(R, offs_e, e_ok, stride_r, kk, k_ok)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()   # the norm's x from here
     if WEIGHTS_FIRST:
-        x = tl.load(X + offs_t[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(r))
+        acc = tl.dot(_tile(X, offs_t, t_ok, stride_x, kk, k_ok), tl.trans(r))
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
         for k0 in range(h_lo, h_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < h_hi
-            x = tl.load(X + offs_t[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            r = tl.load(R + offs_e[:, None] * stride_r + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(r))
+            acc += tl.dot(_tile(X, offs_t, t_ok, stride_x, kk, k_ok), tl.trans(_tile(R, offs_e, e_ok, stride_r, kk, k_ok)))
     # only the T live rows' partials are stored and summed (BLOCK_T pads T to the product's M)
     part = PART + hs * (BLOCK_T * E_POW2)
     tl.store(part + offs_t[:, None] * E_POW2 + offs_e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
