@@ -579,6 +579,11 @@ def bench_sampler(copy_bw, l2, sweep):
         variants = [("default", {})]
         if sweep:
             variants.append((f"bitonic={not S.SELECT_BITONIC}", dict(bitonic=not S.SELECT_BITONIC)))
+            # session 18: warps, chunk counts and pass-1 tile sizes (the same outputs for any)
+            variants += [(f"warps{n}", dict(num_warps=n)) for n in (4, 16)]
+            variants += [(f"nch{n}", dict(nch=n)) for n in (128, 256, 512, 2048) if n <= V]
+            variants += [(f"tile{n}", dict(tile_elems=n)) for n in (2048, 8192, 16384)]
+            variants += [("nch256_w4", dict(nch=256, num_warps=4)), ("nch512_w4", dict(nch=512, num_warps=4))]
         for name, kw in variants:
             calls = [(lambda lg=lg, u=u, o=o, kw=kw: S.sample_topk_topp(lg, u, 1.0, out=o, **kw))
                      for lg, u, o in data]

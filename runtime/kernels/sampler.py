@@ -16,7 +16,7 @@ So the program selects the top-k of z exactly and never exponentiates the vocabu
   keys are distinct, larger key = larger z, and equal z order the lower id first.
 * Pass 1 (chunk maxima): the vocabulary is cut into NCH strided chunks (chunk j = ids j, j + NCH,
   j + 2 NCH, ...), so the pass streams contiguous tiles of TILE_ROWS x NCH elements (TILE_ROWS *
-  NCH ~ 8,192) and keeps one running maximum key per chunk in registers.
+  NCH ~ TILE_ELEMS = 4,096) and keeps one running maximum key per chunk in registers.
 * The top-k elements lie in the k chunks with the largest maxima (the maxima of those k chunks are
   k distinct elements at least as large as anything in any other chunk), so every other chunk is
   skipped. k max-reductions pick those chunks (or a bitonic ``tl.topk``, ``bitonic=True``).
@@ -33,8 +33,10 @@ import triton.language as tl
 
 from ._common import check, launch_signature, next_pow2
 
-# Elements per pass-1 step (TILE_ROWS x NCH): 8,192 FP32 = 32 KiB of loads in flight per program.
-TILE_ELEMS = 8192
+# Elements per pass-1 step (TILE_ROWS x NCH): 4,096 FP32 = 16 KiB of loads in flight per program
+# (keyword tile_elems). Session 18, H200, 8 x 20,000 in one run: 4,096 20.0 us, 8,192 (the default
+# until then) 22.6 us, 16,384 28.1 us (each step's int64 keys live in registers); 8 x 4,096: equal.
+TILE_ELEMS = 4096
 NUM_WARPS = 8
 # Selection of the top K keys: bitonic tl.topk (True) or K max-reductions (False). Measured on the
 # H200 (experiments/notes/kernels.md): max-reductions 22.7 us vs bitonic 34.6 us at 8 x 20,000.
@@ -151,12 +153,14 @@ def _sample_kernel(
 
 
 def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, _topp_bug=False,
-                     bitonic=None):
+                     bitonic=None, nch=None, tile_elems=None, num_warps=None):
     """Sample one token per row. logits [w, V] fp32 or bf16; u [w] fp32 in [0, 1); temperature a
     Python number or a device tensor (one value, or [w]). Returns (ids [w, top_k] int32 sorted by
     probability, probs [w, top_k] fp32 filtered and renormalised, token [w] int32, index [w] int32).
     ``out`` may pass those four tensors preallocated. No host synchronisation.
-    ``_topp_bug`` is the tests' negative control (keeps one token too few).
+    ``_topp_bug`` is the tests' negative control (keeps one token too few). Tuning (same outputs for
+    any value): ``nch`` strided chunks (a power of two, default ``_chunk_count(V)``), ``tile_elems``
+    elements per pass-1 step (default TILE_ELEMS), ``num_warps`` (default NUM_WARPS).
     """
     check(logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
           "logits [w, V] fp32/bf16/fp16")
@@ -181,9 +185,10 @@ def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, 
                torch.empty((w,), device=dev, dtype=torch.int32),
                torch.empty((w,), device=dev, dtype=torch.int32))
     ids, probs, token, index = out
-    nch = _chunk_count(V)
+    nch = int(nch or _chunk_count(V))
+    check(nch == next_pow2(nch) and nch >= 2, "nch: a power of two >= 2")
     nt_pad = next_pow2(triton.cdiv(V, nch))
-    tile_rows = max(1, min(nt_pad, TILE_ELEMS // nch))
+    tile_rows = max(1, min(nt_pad, int(tile_elems or TILE_ELEMS) // nch))
     kp = max(2, next_pow2(top_k))
     _sample_kernel[(w,)](
         logits, u, temperature if temp_is_ptr else u, ids, probs, token, index,
@@ -191,7 +196,7 @@ def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, 
         V=V, K=top_k, KP=kp, NCH=nch, NT_PAD=nt_pad, TILE_ROWS=tile_rows,
         TEMP_IS_PTR=temp_is_ptr, TEMP_PER_ROW=per_row, TOPP_BUG=_topp_bug,
         BITONIC=SELECT_BITONIC if bitonic is None else bitonic,
-        num_warps=NUM_WARPS,
+        num_warps=int(num_warps or NUM_WARPS),
     )
     return ids, probs, token, index
 

@@ -87,6 +87,22 @@ def test_gpu_many_rows_statistics():
         assert mismatch(S, logits, u, 1.0) is None
 
 
+TUNINGS = [dict(tile_elems=2048), dict(tile_elems=8192), dict(nch=256, num_warps=4), dict(nch=2048, num_warps=16),
+           dict(nch=64, tile_elems=16384)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", TUNINGS, ids=lambda kw: "_".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_gpu_tunings(kw, kind):
+    """Chunk counts, pass-1 tiles and warps change how the kernel works, not what it returns;
+    negative control: top-p keeping one token too few, with the same tuning."""
+    S = load_kernels("sampler")
+    logits, u = make_logits(8, 20000, torch.float32, kind, seed=11 + len(kind))
+    assert mismatch(S, logits, u, 1.0, **kw) is None
+    assert mismatch(S, logits, u, 1.0, _topp_bug=True, **kw) is not None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("V", [20000, 4096])
 def test_gpu_negative_control(V):
@@ -130,3 +146,12 @@ def test_interp_negative_control():
     S = load_kernels("sampler")
     logits, u = make_logits(3, 4096, torch.float32, "normal", seed=3)
     assert mismatch(S, logits, u, 1.0, _topp_bug=True, bitonic=False) is not None
+
+
+@cpu_only
+@pytest.mark.parametrize("kw", TUNINGS[:3], ids=lambda kw: "_".join(f"{k}{v}" for k, v in kw.items()))
+def test_interp_tunings(kw):
+    S = load_kernels("sampler")
+    logits, u = make_logits(3, 4096, torch.float32, "ties", seed=13)
+    assert mismatch(S, logits, u, 1.0, **kw) is None
+    assert mismatch(S, logits, u, 1.0, _topp_bug=True, **kw) is not None
