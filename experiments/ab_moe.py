@@ -85,7 +85,7 @@ def main():
                     else [MOE["realistic"], w * 8])
         for dist in distinct:
             data = moe_data(weights, w, dist)
-            whole_bytes, down_bytes = moe_bytes(w, dist)
+            nb = moe_bytes(w, dist)
             calls = {n: _calls(n, data) for n in names}
             shape = f"w{w}_distinct{dist}"
             times = replay_paired(calls, args.rounds, shape)
@@ -95,7 +95,7 @@ def main():
                     if any(n.startswith("down:") == kind for n in names)}
             for n in names:
                 down = n.startswith("down:")
-                rows.append(paired_row(shape, n, times[n], times[base[down]], down_bytes if down else whole_bytes,
+                rows.append(paired_row(shape, n, times[n], times[base[down]], nb["down" if down else "call"],
                                        copy_bw, f" vs {base[down]}", w=w, distinct=dist, rounds=args.rounds,
                                        sets=len(data)))
                 raw[f"{shape}_{n}"] = times[n]

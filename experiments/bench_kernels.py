@@ -314,12 +314,14 @@ def moe_data(weights, w, distinct):
 
 
 def moe_bytes(w, distinct):
-    """Minimum bytes of (the whole MoE call, its v1 Down launch): the distinct experts' weights and
-    scales, plus x and out / the Down's FP32 per-pair output."""
+    """Minimum bytes of the whole MoE call (``call``) and of each of its launches (the names of
+    ``moe_plan``'s steps): the distinct experts' weights and scales, plus x / partials / output."""
     H, I = MOE["H"], MOE["I"]
-    expert_bytes = 2 * I * H + H * I + (2 * I // 128) * (H // 128) * 4 + (H // 128) * (I // 128) * 4
-    dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
-    return distinct * expert_bytes + 2 * w * H * 2 + w * 8 * 8, dn_bytes + w * 8 * H * 4
+    gu = distinct * (2 * I * H + (2 * I // 128) * (H // 128) * 4)
+    dn = distinct * (H * I + (H // 128) * (I // 128) * 4)
+    P = w * 8
+    return dict(call=gu + dn + 2 * w * H * 2 + P * 8, gate_up=gu + w * H * 2, down=dn + P * H * 4,
+                reduce=P * H * 4 + w * H * 2, down_reduce=dn + w * H * 2)
 
 
 def bench_moe(copy_bw, l2, sweep):
@@ -327,7 +329,8 @@ def bench_moe(copy_bw, l2, sweep):
     weights = moe_sets(MOE["sets"])
     for label, distinct in ((f"realistic{MOE['realistic']}", MOE["realistic"]), (f"distinct{w * 8}", w * 8)):
         data = moe_data(weights, w, distinct)
-        nbytes = moe_bytes(w, distinct)[0]
+        step_bytes = moe_bytes(w, distinct)
+        nbytes = step_bytes["call"]
         ref_calls = [(lambda x=x, ids=ids, tw=tw, wt=wt: M.moe_reference(x, ids, tw, *wt))
                      for x, ids, tw, wt, _ in data[:2]]
         # "default" = M.MOE_VARIANT; v1 and v2 always, for A/B (variant="v1" / variant="v2").
@@ -381,12 +384,7 @@ def bench_moe(copy_bw, l2, sweep):
                    distinct=distinct)
         # Breakdown: each production launch alone (M.moe_plan: the launches fused_moe_fp8 runs, with
         # its buffers allocated once per input set), same graph replay over the rotating sets. Bytes:
-        # the launch's own minimum traffic (weights of the distinct experts, x / partials / output).
-        P = w * 8
-        gu_bytes = distinct * (2 * I * H + (2 * I // 128) * (H // 128) * 4) + w * H * 2
-        dn_bytes = distinct * (H * I + (H // 128) * (I // 128) * 4)
-        step_bytes = dict(gate_up=gu_bytes, down=dn_bytes + P * H * 4, reduce=P * H * 4 + w * H * 2,
-                          down_reduce=dn_bytes + w * H * 2)
+        # the launch's own minimum traffic (moe_bytes).
         for var, vkw in (("v1", {}), ("v1_bf16", dict(gu_f16=False, down_f16=False))):
             plans = [M.moe_plan(x, ids, tw, *wt, o, variant=var[:2], **vkw)[1] for x, ids, tw, wt, o in data]
             for plan in plans:  # fill the intermediate buffers (activations, group table) once

@@ -91,8 +91,12 @@ TUNINGS = [dict(tile_elems=2048), dict(tile_elems=8192), dict(nch=256, num_warps
            dict(nch=64, tile_elems=16384)]
 
 
+def _tuning_id(kw):
+    return "_".join(f"{k}{v}" for k, v in kw.items())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", TUNINGS, ids=lambda kw: "_".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("kw", TUNINGS, ids=_tuning_id)
 @pytest.mark.parametrize("kind", ["normal", "ties"])
 def test_gpu_tunings(kw, kind):
     """Chunk counts, pass-1 tiles and warps change how the kernel works, not what it returns;
@@ -149,7 +153,7 @@ def test_interp_negative_control():
 
 
 @cpu_only
-@pytest.mark.parametrize("kw", TUNINGS[:3], ids=lambda kw: "_".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("kw", TUNINGS[:3], ids=_tuning_id)
 def test_interp_tunings(kw):
     S = load_kernels("sampler")
     logits, u = make_logits(3, 4096, torch.float32, "ties", seed=13)
