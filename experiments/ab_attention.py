@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import _tma_read  # noqa: E402
 from bench_kernels import attention_sets, copy_same_calls, n_sets, read_floor_calls  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 
@@ -76,7 +77,13 @@ def probe_calls(name, data, n_keys, d):
     """Calls of a floor probe over the same rotating sets: ``copy`` (torch copies the valid K rows
     into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
     with one / two programs per SM), ``tsum`` (torch sums of the valid K and V rows), ``sol{m}_{rows}``
-    (``_sol_read_kernel``), ``solf{rows}_w{warps}[_host|_cg]`` (bench_kernels' read floor)."""
+    (``_sol_read_kernel``), ``solf{rows}_w{warps}[_host|_cg]`` (bench_kernels' read floor), and the TMA
+    readers ``tmas{m}_{rows}_s{stages}`` / ``tmaf{rows}`` (``_tma_read``, sm_90+ only)."""
+    if _tma_read.PATTERN.fullmatch(name):
+        tma_calls = _tma_read.calls(name, data)
+        if tma_calls is None:
+            raise SystemExit(f"{name}: the TMA probes need Gluon and an sm_90+ GPU")
+        return tma_calls
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
     if name == "copy":
         return copy_same_calls(data, n_keys)
@@ -104,6 +111,9 @@ def probe_calls(name, data, n_keys, d):
 PROBES = ("copy", "read", "read2", "tsum") + tuple(f"sol{m}_{c}" for m in (1, 2, 4) for c in (64, 128, 256))
 PROBES += tuple(f"solf{c}_w{nw}" for c in (8, 16, 32, 64, 128) for nw in (1, 2, 4, 8))
 PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
+# session 19: TMA readers (programs per SM, rows per tile, stages; flat: rows per tile)
+PROBES += ("tmas1_64_s4", "tmas1_64_s6", "tmas1_128_s3", "tmas2_64_s3", "tmas4_64_s1", "tmas2_32_s6",
+           "tmaf16", "tmaf32", "tmaf64", "tmaf128")
 
 CONFIGS = {
     "default": {},

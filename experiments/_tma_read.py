@@ -1,0 +1,123 @@
+"""Read-floor probes on TMA (session 19): do the copy engines behind ``cp.async.bulk.tensor`` read an
+attention call's K/V bytes faster than the register loads of ``bench_kernels._sol_flat_kernel``?
+
+Session 17's read floor (the fastest one-launch reader of a 64K call's bytes, start_pos first) was a
+flat grid of 1-warp programs loading 8-row tiles into registers: 11.3 us = 0.70 of copy bandwidth.
+Its claim to be a floor rests on the readers tried; every one of them loaded into registers. These
+two Gluon kernels load into shared memory through the tensor memory accelerator instead, where the
+bytes in flight per SM are bounded by shared memory (228 KiB), not by registers:
+
+* ``_tma_stream_kernel`` (``tmas{m}_{bn}_s{stages}``): m programs per SM, each owning a contiguous
+  range of BN-row key blocks (the attention split's partition: per = ceil(blocks / programs)), a ring
+  of ``stages`` K and V tiles, one mbarrier each, the next block's copy issued as soon as a tile has
+  landed. What the split's stream could be with no arithmetic at all.
+* ``_tma_flat_kernel`` (``tmaf{bn}``): one 1-warp program per BN-row tile of the capacity (a fixed
+  grid, as a captured launch needs); programs past the valid extent only read start_pos.
+
+Both read start_pos first and derive the extent [0, start_pos + W) from it, as attention must; both
+only wait for their tiles to land (nothing reads shared memory afterwards). They run on sm_90+
+(CUDA); ``calls`` returns None elsewhere.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:   # a triton without Gluon: the probes are unavailable, nothing else is
+    gluon = None
+
+PATTERN = re.compile(r"tmas(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
+
+if gluon is not None:
+    @gluon.jit
+    def _tma_stream_kernel(k_desc, v_desc, OUT, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr):
+        pid = gl.program_id(0)
+        n_keys = gl.load(START) + W
+        n_blocks = gl.cdiv(n_keys, BN)
+        per = gl.cdiv(n_blocks, NPROG)
+        b0 = pid * per
+        nb = gl.minimum(b0 + per, n_blocks) - b0
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        NBYTES: gl.constexpr = 2 * k_desc.block_type.nbytes
+        ks = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+        vs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            ok = i < nb
+            mbarrier.expect(bars.index(i), NBYTES, pred=ok)
+            tma.async_copy_global_to_shared(k_desc, [(b0 + i) * BN, 0], bars.index(i), ks.index(i), pred=ok)
+            tma.async_copy_global_to_shared(v_desc, [(b0 + i) * BN, 0], bars.index(i), vs.index(i), pred=ok)
+        for j in range(0, nb):
+            s = j % STAGES
+            mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+            ok = j + STAGES < nb
+            mbarrier.expect(bars.index(s), NBYTES, pred=ok)
+            tma.async_copy_global_to_shared(k_desc, [(b0 + j + STAGES) * BN, 0], bars.index(s), ks.index(s),
+                                            pred=ok)
+            tma.async_copy_global_to_shared(v_desc, [(b0 + j + STAGES) * BN, 0], bars.index(s), vs.index(s),
+                                            pred=ok)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        gl.store(OUT + pid, nb)
+
+    @gluon.jit
+    def _tma_flat_kernel(k_desc, v_desc, OUT, START, W, BN: gl.constexpr):
+        pid = gl.program_id(0)
+        n_keys = gl.load(START) + W
+        ok = pid * BN < n_keys
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        ks = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
+        vs = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(k_desc, [pid * BN, 0], bar, ks, pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [pid * BN, 0], bar, vs, pred=ok)
+        mbarrier.wait(bar, 0, pred=ok)
+        mbarrier.invalidate(bar)
+        gl.store(OUT + pid, ok.to(gl.int32))
+
+
+def _descs(k: torch.Tensor, v: torch.Tensor, bn: int):
+    """TMA descriptors of one KV head's K and V ([cap, d] BF16) in BN x d tiles."""
+    k2, v2 = k[0], v[0]
+    layout = gl.NVMMASharedLayout.get_default_for([bn, k2.shape[1]], gl.bfloat16)
+    return (TensorDescriptor.from_tensor(k2, [bn, k2.shape[1]], layout),
+            TensorDescriptor.from_tensor(v2, [bn, v2.shape[1]], layout))
+
+
+def calls(name: str, data) -> list | None:
+    """Calls of probe ``name`` (``PATTERN``) over ``bench_kernels.attention_sets`` data (one KV head);
+    None when the name is not a TMA probe or Gluon / sm_90 is missing."""
+    m = PATTERN.fullmatch(name)
+    if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return None
+    cap = data[0][1].shape[1]
+    if m.group(4):
+        bn = int(m.group(4))
+        grid = triton.cdiv(cap, bn)
+        out = []
+        for q, k, v, _, sp, _ in data:
+            kd, vd = _descs(k, v, bn)
+            o = torch.empty(grid, dtype=torch.int32, device=k.device)
+            out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]:
+                       _tma_flat_kernel[(grid,)](kd, vd, o, sp, w, BN=bn, num_warps=1))
+        return out
+    per_sm, bn, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+    out = []
+    for q, k, v, _, sp, _ in data:
+        kd, vd = _descs(k, v, bn)
+        o = torch.empty(grid, dtype=torch.int32, device=k.device)
+        out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]:
+                   _tma_stream_kernel[(grid,)](kd, vd, o, sp, w, grid, BN=bn, STAGES=stages, num_warps=1))
+    return out
