@@ -30,7 +30,9 @@ model).
 Output: progress lines, then a short table last; $OUT/bench_step.json and .csv when OUT is set.
 ``--profile`` also profiles a few replays of the fast step's graph per kernel (torch.profiler) and
 prints the device time per part of the step (attention, router, MoE, cuBLAS GEMMs, norms, torch glue)
-and the top kernels; the JSON keeps every kernel ("profiles"). ``--ab NAME[,NAME]`` times the fast
+and the top kernels, with each part's share of the critical path (its launch gaps and its exposed
+time: how far its kernels moved the latest end; see ``_kernel_times``); the JSON keeps every kernel
+("profiles"). ``--ab NAME[,NAME]`` times the fast
 step's graph against a variant (``AB_VARIANTS``: the change applied to a second Round) in one run,
 replays alternating, and prints the per-pair ratio with its 10-90 % range.
 
@@ -122,8 +124,16 @@ def kernel_part(name: str) -> str:
     return "other"
 
 
+HOST_GAP_US = 50.0   # an idle stretch this long between kernels is the host (restores, replay calls)
+
+
 def _kernel_times(prof) -> dict[str, list]:
-    """{kernel name: [total us, count]} from a profiler's trace (events of category "kernel")."""
+    """{kernel name: [total us, count, exposed us, gap us]} from a profiler's trace (events of category
+    "kernel"). Exposed and gap describe the critical path: in start order, a kernel's gap is the time
+    the GPU sat idle between the latest end so far and its start (a launch gap; stretches of at least
+    HOST_GAP_US, the host's own time between replays, are left out), its exposed time how far it moved
+    that latest end past its start: what the step would lose without it if it were free, launch
+    included. Over a chain of dependent kernels, gaps + exposed sum to the span."""
     import json
     import tempfile
 
@@ -131,12 +141,21 @@ def _kernel_times(prof) -> dict[str, list]:
         prof.export_chrome_trace(f.name)
         with open(f.name) as fh:
             trace = json.load(fh)
+    events = sorted((float(ev["ts"]), float(ev.get("dur", 0.0)), ev["name"])
+                    for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel")
     out: dict[str, list] = {}
-    for ev in trace.get("traceEvents", []):
-        if ev.get("cat") == "kernel":
-            k = out.setdefault(ev["name"], [0.0, 0])
-            k[0] += float(ev.get("dur", 0.0))
-            k[1] += 1
+    frontier = None
+    for ts, dur, name in events:
+        k = out.setdefault(name, [0.0, 0, 0.0, 0.0])
+        k[0] += dur
+        k[1] += 1
+        if frontier is None:
+            frontier = ts
+        gap = ts - frontier
+        if 0.0 < gap < HOST_GAP_US:
+            k[3] += gap
+        k[2] += max(0.0, ts + dur - max(frontier, ts))
+        frontier = max(frontier, ts + dur)
     return out
 
 
@@ -160,29 +179,37 @@ def profile_replays(replay, restore, n: int = 3) -> dict:
         for _ in range(n):
             restore()
         sync()
-    for name, (us, c) in _kernel_times(prof_r).items():
+    for name, (us, c, ex, gap) in _kernel_times(prof_r).items():
         if name in kernels:
-            kernels[name][0] -= us
-            kernels[name][1] -= c
-    rows = sorted(([name, us / n, c / n] for name, (us, c) in kernels.items() if c > 0), key=lambda r: -r[1])
+            k = kernels[name]
+            k[0], k[1], k[2], k[3] = k[0] - us, k[1] - c, k[2] - ex, k[3] - gap
+    rows = sorted(([name, us / n, c / n, ex / n, gap / n] for name, (us, c, ex, gap) in kernels.items() if c > 0),
+                  key=lambda r: -r[1])
     parts: dict[str, dict] = {}
-    for name, us, c in rows:
-        p = parts.setdefault(kernel_part(name), {"us": 0.0, "count": 0.0})
+    for name, us, c, ex, gap in rows:
+        p = parts.setdefault(kernel_part(name), {"us": 0.0, "count": 0.0, "exposed_us": 0.0, "gap_us": 0.0})
         p["us"] += us
         p["count"] += c
-    return {"parts": dict(sorted(parts.items(), key=lambda kv: -kv[1]["us"])), "kernels": rows,
-            "kernel_us": sum(r[1] for r in rows), "replays": n}
+        p["exposed_us"] += ex
+        p["gap_us"] += gap
+    return {"parts": dict(sorted(parts.items(), key=lambda kv: -kv[1]["exposed_us"] - kv[1]["gap_us"])),
+            "kernels": rows, "kernel_us": sum(r[1] for r in rows), "replays": n,
+            "path_us": sum(r[3] + r[4] for r in rows)}
 
 
 def print_profile(prof: dict, step_ms: float) -> None:
     log(f"per-kernel device time of one step (sum {prof['kernel_us'] / 1e3:.2f} ms; the graph takes "
-        f"{step_ms:.2f} ms: the rest is launch gaps and dependent waits; PDL overlap can make the sum larger)")
+        f"{step_ms:.2f} ms: the rest is launch gaps and dependent waits; PDL overlap can make the sum larger); "
+        f"critical path: each part's gaps before its kernels and its exposed time (how far its kernels "
+        f"moved the latest end; sum {prof['path_us'] / 1e3:.2f} ms)")
+    print(f"    {'part':<28} {'device':>9} {'launches':>9} {'gaps':>9} {'exposed':>9} {'path %':>7}", flush=True)
     for part, v in prof["parts"].items():
-        print(f"    {part:<24} {v['us'] / 1e3:8.3f} ms  {v['count']:7.0f} launches  "
-              f"{100 * v['us'] / (step_ms * 1e3):5.1f} % of the step", flush=True)
-    print("    top kernels:", flush=True)
-    for name, us, c in prof["kernels"][:25]:
-        print(f"    {us / 1e3:8.3f} ms {c:6.0f}x  {name[:110]}", flush=True)
+        path = v["exposed_us"] + v["gap_us"]
+        print(f"    {part:<28} {v['us'] / 1e3:6.3f} ms {v['count']:9.0f} {v['gap_us'] / 1e3:6.3f} ms "
+              f"{v['exposed_us'] / 1e3:6.3f} ms {100 * path / (step_ms * 1e3):6.1f}", flush=True)
+    print("    top kernels (device ms, launches, gaps ms, exposed ms):", flush=True)
+    for name, us, c, ex, gap in prof["kernels"][:25]:
+        print(f"    {us / 1e3:8.3f} {c:6.0f}x {gap / 1e3:7.3f} {ex / 1e3:7.3f}  {name[:100]}", flush=True)
 
 
 def time_graph(step, restore, reps: int, profile: bool = False) -> dict:
