@@ -155,3 +155,30 @@ def paired_row(shape: str, config: str, times: list, base: list, nbytes: int, co
     print(f"{shape:>16} {config:>18} {st['us']:8.2f} us  frac {row['frac']:.3f}  ratio {st['ratio']:.4f} "
           f"[{st['ratio_p10']:.4f}, {st['ratio_p90']:.4f}]{note}", flush=True)
     return row
+
+
+HOST_GAP_US = 50.0   # an idle stretch this long between kernels is the host (restores, replay calls)
+
+
+def critical_path(events) -> dict[str, list]:
+    """{kernel name: [total us, count, exposed us, gap us]} of kernel events (start us, duration us,
+    name). In start order, a kernel's gap is the time the GPU sat idle between the latest end so far
+    and its start (a launch gap; stretches of at least HOST_GAP_US, the host's own time between
+    replays, are left out), its exposed time how far it moved that latest end past its start: what
+    the step would lose without it if it were free, launch included. Over a chain of dependent
+    kernels, gaps + exposed sum to the span; a kernel launched early and waiting (PDL) is charged only
+    for the time it ends after its predecessor."""
+    out: dict[str, list] = {}
+    frontier = None
+    for ts, dur, name in sorted(events):
+        k = out.setdefault(name, [0.0, 0, 0.0, 0.0])
+        k[0] += dur
+        k[1] += 1
+        if frontier is None:
+            frontier = ts
+        gap = ts - frontier
+        if 0.0 < gap < HOST_GAP_US:
+            k[3] += gap
+        k[2] += max(0.0, ts + dur - max(frontier, ts))
+        frontier = max(frontier, ts + dur)
+    return out

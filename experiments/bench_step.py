@@ -31,7 +31,7 @@ Output: progress lines, then a short table last; $OUT/bench_step.json and .csv w
 ``--profile`` also profiles a few replays of the fast step's graph per kernel (torch.profiler) and
 prints the device time per part of the step (attention, router, MoE, cuBLAS GEMMs, norms, torch glue)
 and the top kernels, with each part's share of the critical path (its launch gaps and its exposed
-time: how far its kernels moved the latest end; see ``_kernel_times``); the JSON keeps every kernel
+time: how far its kernels moved the latest end; see ``_bench.critical_path``); the JSON keeps every kernel
 ("profiles"). ``--ab NAME[,NAME]`` times the fast
 step's graph against a variant (``AB_VARIANTS``: the change applied to a second Round) in one run,
 replays alternating, and prints the per-pair ratio with its 10-90 % range.
@@ -52,7 +52,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, time_call, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, critical_path, time_call, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -124,16 +124,8 @@ def kernel_part(name: str) -> str:
     return "other"
 
 
-HOST_GAP_US = 50.0   # an idle stretch this long between kernels is the host (restores, replay calls)
-
-
 def _kernel_times(prof) -> dict[str, list]:
-    """{kernel name: [total us, count, exposed us, gap us]} from a profiler's trace (events of category
-    "kernel"). Exposed and gap describe the critical path: in start order, a kernel's gap is the time
-    the GPU sat idle between the latest end so far and its start (a launch gap; stretches of at least
-    HOST_GAP_US, the host's own time between replays, are left out), its exposed time how far it moved
-    that latest end past its start: what the step would lose without it if it were free, launch
-    included. Over a chain of dependent kernels, gaps + exposed sum to the span."""
+    """``_bench.critical_path`` of a profiler's trace (its events of category "kernel")."""
     import json
     import tempfile
 
@@ -141,22 +133,8 @@ def _kernel_times(prof) -> dict[str, list]:
         prof.export_chrome_trace(f.name)
         with open(f.name) as fh:
             trace = json.load(fh)
-    events = sorted((float(ev["ts"]), float(ev.get("dur", 0.0)), ev["name"])
-                    for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel")
-    out: dict[str, list] = {}
-    frontier = None
-    for ts, dur, name in events:
-        k = out.setdefault(name, [0.0, 0, 0.0, 0.0])
-        k[0] += dur
-        k[1] += 1
-        if frontier is None:
-            frontier = ts
-        gap = ts - frontier
-        if 0.0 < gap < HOST_GAP_US:
-            k[3] += gap
-        k[2] += max(0.0, ts + dur - max(frontier, ts))
-        frontier = max(frontier, ts + dur)
-    return out
+    return critical_path((float(ev["ts"]), float(ev.get("dur", 0.0)), ev["name"])
+                         for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel")
 
 
 def profile_replays(replay, restore, n: int = 3) -> dict:

@@ -1,0 +1,28 @@
+"""The benchmarks' shared accounting (experiments/_bench.py) on synthetic kernel timelines."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
+
+from _bench import HOST_GAP_US, critical_path  # noqa: E402
+
+
+def test_critical_path_charges_gaps_and_exposed_time():
+    # a [0, 10]; b launched early (PDL) at 2, ends 15: exposed 5; c after a 1 us launch gap, ends 20;
+    # the host's pause; d [200, 205]; e inside d: nothing exposed
+    ev = [(0, 10, "a"), (2, 13, "b"), (16, 4, "c"), (200, 5, "d"), (201, 2, "e")]
+    got = critical_path(ev)
+    assert got == {"a": [10, 1, 10, 0], "b": [13, 1, 5, 0], "c": [4, 1, 4, 1], "d": [5, 1, 5, 0], "e": [2, 1, 0, 0]}
+    # a chain's gaps + exposed times are its span, in any input order
+    chain = [(0, 3, "x"), (3.5, 2, "y"), (4, 5, "z"), (9.5, 1, "y")]
+    tot = critical_path(reversed(chain))
+    assert sum(v[2] + v[3] for v in tot.values()) == 10.5
+    # negative control: charging each kernel its whole duration (no overlap accounting) overcounts
+    assert sum(v[0] for v in tot.values()) == 11
+
+
+def test_host_pauses_are_not_launch_gaps():
+    got = critical_path([(0, 1, "a"), (1 + HOST_GAP_US, 1, "b"), (2 + HOST_GAP_US + 0.5, 1, "b")])
+    assert got["b"][3] == 0.5 and got["b"][2] == 2
