@@ -31,10 +31,10 @@ Output: progress lines, then a short table last; $OUT/bench_step.json and .csv w
 ``--profile`` also profiles a few replays of the fast step's graph per kernel (torch.profiler) and
 prints the device time per part of the step (attention, router, MoE, cuBLAS GEMMs, norms, torch glue)
 and the top kernels, with each part's share of the critical path (its launch gaps and its exposed
-time: how far its kernels moved the latest end; see ``_bench.critical_path``); the JSON keeps every kernel
-("profiles"). ``--ab NAME[,NAME]`` times the fast
-step's graph against a variant (``AB_VARIANTS``: the change applied to a second Round) in one run,
-replays alternating, and prints the per-pair ratio with its 10-90 % range.
+time: how far its kernels moved the latest end; see ``_bench.critical_path``); the JSON keeps every
+kernel ("profiles"). ``--ab NAME[,NAME]`` times the fast step's graph against a variant
+(``AB_VARIANTS``: the change applied to a second Round) in one run, replays alternating, and prints
+the per-pair ratio with its 10-90 % range.
 
 ``--dry-run`` runs the whole script on the CPU through the Triton interpreter at q1-tiny shapes
 (2 layers; rank emulation of 2; wall-clock "timings" that mean nothing), to check the script before
