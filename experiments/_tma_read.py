@@ -104,23 +104,21 @@ def calls(name: str, data) -> list | None:
     m = PATTERN.fullmatch(name)
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
-    cap = data[0][1].shape[1]
-    if m.group(4):
+    if m.group(4):   # flat: one program per tile of the capacity
         bn = int(m.group(4))
-        grid = triton.cdiv(cap, bn)
-        out = []
-        for q, k, v, _, sp, _ in data:
-            kd, vd = _descs(k, v, bn)
-            o = torch.empty(grid, dtype=torch.int32, device=k.device)
-            out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]:
-                       _tma_flat_kernel[(grid,)](kd, vd, o, sp, w, BN=bn, num_warps=1))
-        return out
-    per_sm, bn, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
-    grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+        grid = triton.cdiv(data[0][1].shape[1], bn)
+
+        def launch(kd, vd, o, sp, w):
+            _tma_flat_kernel[(grid,)](kd, vd, o, sp, w, BN=bn, num_warps=1)
+    else:            # stream: programs per SM, each its contiguous share
+        per_sm, bn, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+
+        def launch(kd, vd, o, sp, w):
+            _tma_stream_kernel[(grid,)](kd, vd, o, sp, w, grid, BN=bn, STAGES=stages, num_warps=1)
     out = []
     for q, k, v, _, sp, _ in data:
         kd, vd = _descs(k, v, bn)
         o = torch.empty(grid, dtype=torch.int32, device=k.device)
-        out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]:
-                   _tma_stream_kernel[(grid,)](kd, vd, o, sp, w, grid, BN=bn, STAGES=stages, num_warps=1))
+        out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]: launch(kd, vd, o, sp, w))
     return out
