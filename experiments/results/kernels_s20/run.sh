@@ -1,0 +1,5 @@
+#!/bin/bash
+# Session 20 device driver (run from the repository root on the GPU machine): $1 = call name.
+# STEPS: session 18's steps (kernels_s18/run.sh: tests ptest atests ab tl step bench abmoe prof).
+set -u
+STEPS="$STEPS" bash experiments/results/kernels_s18/run.sh "$1"
