@@ -38,7 +38,7 @@ from ._common import (check, check_rows_by_weight, compiled_cuda, device_sm_coun
 
 BLOCK_M = 16        # rows, padded (the tensor-core product's M >= 16)
 BLOCK_K = 128       # K per loop step (the largest of 128, 64, 32, 16 that divides a slice)
-NUM_STAGES = 4
+NUM_STAGES = 6     # 4 until session 20: 6 measured the q1 step 0.9863-0.9885 (8K) / 0.9889-0.9896 (64K) of 4's time
 NUM_WARPS = 4
 PDL = True          # programmatic dependent launch (session 14, q1 step A/B: 1.2-2.0 % of the step)
 PREFETCH = False    # the weight tile asked of L2 before the wait (session 14: the step 0.6-1.2 % slower)
@@ -127,7 +127,7 @@ def plan(N: int, K: int, sms: int) -> tuple[int, int]:
 
 
 def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, pdl=None, prefetch=None,
-                  num_stages=None, _drop_bug=False, _poison=False, _no_wait=False):
+                  num_stages=None, block_k=None, num_warps=None, _drop_bug=False, _poison=False, _no_wait=False):
     """y = x @ w^T in BF16 (FP32 accumulation) for x [M, K] BF16 (M <= 16) and w [N, K] BF16.
 
     ``out`` [M, N] BF16 to write into (row stride free). ``block_n`` / ``split_k``: the tiling
@@ -135,6 +135,8 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     every call (pass a persistent one for CUDA-graph capture; by default one is zeroed per call).
     ``pdl``: programmatic dependent launch (default PDL; sm_90+ CUDA only, ignored elsewhere);
     ``prefetch``: with PDL, the L2 prefetch of the weight tile before the wait (default PREFETCH).
+    ``num_stages`` / ``block_k`` / ``num_warps``: the pipeline's depth, K per step and warps per
+    program (defaults NUM_STAGES; the largest of BLOCK_K, 64, 32, 16 that divides the slice; NUM_WARPS).
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests'."""
@@ -164,11 +166,13 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
     use_pf = use_pdl and compiled_cuda(dev) and (PREFETCH if prefetch is None else bool(prefetch))
     k_slice = K // split_k
+    bk = _block_k(k_slice) if block_k is None else int(block_k)
+    check(bk in (16, 32, 64, 128) and k_slice % bk == 0, f"block_k {block_k}: 16-128, dividing the slice {k_slice}")
     _linear_kernel[(n_blocks, split_k)](
         x, w, out, part, counter, M, x.stride(0), w.stride(0), out.stride(0),
-        N=N, K_SLICE=k_slice, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=_block_k(k_slice),
+        N=N, K_SLICE=k_slice, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk,
         PDL=use_pdl, PREFETCH=use_pf, PF_CHUNK=min(1024, next_pow2(block_n * max(1, k_slice * 2 // 128))),
-        DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), num_warps=NUM_WARPS,
+        DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), num_warps=NUM_WARPS if num_warps is None else int(num_warps),
         num_stages=NUM_STAGES if num_stages is None else int(num_stages),
         **({"launch_pdl": True} if use_pdl else {}),
     )

@@ -63,6 +63,21 @@ def test_q1_qkv_tilings(block_n, split_k, pdl):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K,N", Q1_SHAPES)
+@pytest.mark.parametrize("kw", [dict(num_stages=3), dict(num_stages=4), dict(num_stages=8), dict(num_warps=2),
+                                dict(num_warps=8), dict(block_k=64), dict(block_k=32, num_stages=12)],
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_q1_pipeline_options(K, N, kw):
+    """Pipeline depth, warps and K per step (the step benchmark's variants) against FP64, each with the
+    negative control; depth and warps leave the same products in the same order: y bit for bit."""
+    L = load_kernels("linear")
+    _check(L, 6, K, N, seed=K + len(kw), **kw)
+    if "block_k" not in kw:
+        x, w = _inputs(6, K, N, 3)
+        assert torch.equal(L.skinny_linear(x, w, **kw), L.skinny_linear(x, w))
+
+
+@pytest.mark.gpu
 def test_graph_replays_leave_the_counters_at_zero():
     """A captured call (split K, PDL) replayed with new x each time: y matches, counters stay zero."""
     L = load_kernels("linear")
@@ -131,6 +146,9 @@ def test_plan_and_argument_checks():
         L.skinny_linear(x.float(), w)
     with pytest.raises(ValueError):
         L.skinny_linear(x, w, block_n=48)
+    for bk in (48, 256):
+        with pytest.raises(ValueError):
+            L.skinny_linear(x, w, block_k=bk)
     with pytest.raises(ValueError):
         L.skinny_linear(torch.cat([x] * 5), w)       # 20 rows
 
