@@ -36,7 +36,9 @@ from ._common import check, check_rows_by_weight, launch_signature, next_pow2, p
 from .sampler import _KEY_MIN, _keys
 
 BLOCK_E = 16      # experts per program (the tensor-core product's N >= 16)
-SPLIT_H = 8       # H slices: 8 x 8 = 64 programs at E = 128; each reads 16 x 768 BF16 = 24 KiB
+SPLIT_H = 12      # H slices: 8 x 12 = 96 programs at E = 128; each reads 16 x 512 BF16 = 16 KiB (8 until
+                  # session 20: 12 measured the q1 step 0.9912 / 0.9953 of 8's time at 8K / 64K, 16 0.995,
+                  # 24 1.013; call 4)
 BLOCK_K = 128
 BLOCK_T = 16      # rows, padded (the product's M >= 16)
 NUM_WARPS = 4
@@ -137,14 +139,14 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     x [T, H] BF16 (T <= 16), router [E, H] BF16 (E <= 1024, k a power of two <= E). ``counter``: an
     int32 device tensor holding zero, left zero by every call (pass a persistent one for CUDA-graph
     capture; otherwise one is zeroed per call). ``ids`` / ``weights``: outputs to write into.
-    ``split_h``: H slices (default SPLIT_H). ``pdl``: programmatic dependent launch (default PDL;
-    sm_90+ CUDA only). ``weights_first``: the router slice loaded before the wait (default
+    ``split_h``: H slices (default SPLIT_H, at most one per BLOCK_K columns). ``pdl``: programmatic
+    dependent launch (default PDL; sm_90+ CUDA only). ``weights_first``: the router slice loaded before the wait (default
     WEIGHTS_FIRST; slices of at most 1024 columns, padded to a power of two, else the steps). ``_order_bug``: negative control of the tests (equal
     logits in the wrong order); ``_poison``: the partial-logit workspace starts as NaN (tests: a
     finalise that reads a partial before it is written shows)."""
     T, H, E = check_rows_by_weight(x, router, BLOCK_T, "x [T, H], router [E, H]")
     check(k >= 1 and k & (k - 1) == 0 and k <= E <= 1024, "k a power of two, k <= E <= 1024")
-    split = int(split_h or SPLIT_H)
+    split = int(split_h) if split_h else min(SPLIT_H, triton.cdiv(H, BLOCK_K))   # (no empty slices)
     check(split >= 1, "split_h >= 1")
     dev = x.device
     if counter is None:
