@@ -63,6 +63,7 @@ from runtime.config import DraftConfig, SamplingConfig, TPConfig, load_model_con
 from runtime.engine import Engine  # noqa: E402
 from runtime.fast import FastModel  # noqa: E402
 from runtime.kernels.linear import skinny_linear  # noqa: E402
+from runtime.kernels.router import route_topk  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from runtime.parallel import make_comm  # noqa: E402
 from runtime.speculative import DecodeState, Round  # noqa: E402
@@ -231,6 +232,40 @@ def _skinny(rnd: Round, **kw) -> None:
     _model_variant(rnd, _proj=lambda x, w: skinny_linear(x, w, counter=m._linear_counter, **kw))
 
 
+def _skinny_by(rnd: Round, qkv: dict, o: dict) -> None:
+    """rnd's model with skinny_linear called with keywords ``qkv`` for the fused Q/K/V projection and
+    ``o`` for the output projection (told apart by their weights' shapes)."""
+    m = rnd.model
+    n_qkv = (m.shard.num_heads + 2 * m.shard.num_kv_heads) * m.cfg.head_dim
+    _model_variant(rnd, _proj=lambda x, w: skinny_linear(x, w, counter=m._linear_counter,
+                                                         **(qkv if w.shape[0] == n_qkv else o)))
+
+
+def _router(rnd: Round, **kw) -> None:
+    """rnd's model with its router kernel called with keywords ``kw`` (route_topk's)."""
+    m = rnd.model
+    _model_variant(rnd, route=lambda lw, x: route_topk(x.to(torch.bfloat16), lw.router, m.cfg.num_experts_per_tok,
+                                                       counter=m._route_counter, pdl=m.moe_pdl,
+                                                       weights_first=m.router_weights_first, **kw))
+
+
+def _lin(spec: str) -> dict:
+    """skinny_linear keywords from "st6", "st6.bn32.sk4", "st12.bk64", "st6.nw8" ("" = the defaults)."""
+    keys = dict(st="num_stages", bn="block_n", sk="split_k", bk="block_k", nw="num_warps")
+    return {keys[p[:2]]: int(p[2:]) for p in spec.split(".") if p}
+
+
+# skinny_linear tilings and pipeline depths per projection: name -> (Q/K/V spec, output spec)
+LINEAR_VARIANTS = {
+    "lin_q6": ("st6", ""), "lin_o6": ("", "st6"), "lin_q5_o5": ("st5", "st5"), "lin_q8_o8": ("st8", "st8"),
+    "lin_q12_o6": ("st12", "st6"), "lin_q8bk64_o6": ("st8.bk64", "st6"), "lin_q12bk64_o12bk64": ("st12.bk64", "st12.bk64"),
+    "lin_q6bn64sk8_o6": ("st6.bn64.sk8", "st6"), "lin_q6bn32sk8_o6": ("st6.bn32.sk8", "st6"),
+    "lin_q6bn16sk4_o6": ("st6.bn16.sk4", "st6"), "lin_q6_o6bn64sk2": ("st6", "st6.bn64.sk2"),
+    "lin_q6_o6bn32sk1": ("st6", "st6.bn32.sk1"), "lin_q6w8_o6w8": ("st6.nw8", "st6.nw8"),
+    "lin_q6w2_o6w2": ("st6.nw2", "st6.nw2"),
+}
+
+
 # Same-run A/B of the fast step's graph (--ab NAME): NAME's change applied to a second Round.
 AB_VARIANTS = {
     # the round's uniforms from rng.uniform's torch sequence (~50 launches per call) instead of the
@@ -282,6 +317,26 @@ AB_VARIANTS = {
     # RoPE's tables computed in every rope_kv_write program (FP64 cos / sin) instead of once per pass
     # in torch (session 15, call 2: 0.3 % slower together with the glue above; off by default)
     "kernel_rope_tables": lambda rnd: _model_variant(rnd, rope_tables_in_kernel=True),
+    # skinny_linear with 3 / 4 / 6 pipeline stages (default linear.NUM_STAGES: 6 since session 20)
+    **{f"linear_st{n}": (lambda rnd, n=n: _skinny(rnd, num_stages=n)) for n in (3, 4, 6)},
+    # the router in 2 ... 48 H slices (route_topk split_h; default router.SPLIT_H)
+    **{f"router_sh{n}": (lambda rnd, n=n: _router(rnd, split_h=n)) for n in (2, 4, 8, 12, 16, 24, 48)},
+    # the MoE's Gate/Up with 3 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
+    # moe.DOWN_WIDE_NUM_STAGES)
+    **{f"moe_gu_st{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
+                                                                           "gu_num_stages": n})) for n in (3, 5)},
+    "moe_down_st4": lambda rnd: _model_variant(rnd, _moe_options={**rnd.model._moe_options, "down_num_stages": 4}),
+    # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 6 / 12 column blocks
+    # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB)
+    **{f"moe_red{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
+                                                                         "red_block_h": n})) for n in (128, 512)},
+    **{f"moe_dnb{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
+                                                                         "down_nb": n})) for n in (4, 6, 12)},
+    # the attention combine with 1 / 4 / 8 warps (default attention.COMBINE_NUM_WARPS)
+    **{f"attn_cw{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
+                                                                          "combine_num_warps": n})) for n in (1, 4, 8)},
+    # lin_q{Q/K/V}_o{output}: see LINEAR_VARIANTS
+    **{name: (lambda rnd, q=q, o=o: _skinny_by(rnd, _lin(q), _lin(o))) for name, (q, o) in LINEAR_VARIANTS.items()},
 }
 
 
