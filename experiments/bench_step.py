@@ -332,6 +332,9 @@ AB_VARIANTS = {
                                                                          "red_block_h": n})) for n in (128, 512)},
     **{f"moe_dnb{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
                                                                          "down_nb": n})) for n in (4, 6, 12)},
+    # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
+    **{f"attn_ns{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
+                                                                          "num_splits": n})) for n in (66, 264)},
     # the attention combine with 1 / 4 / 8 warps (default attention.COMBINE_NUM_WARPS)
     **{f"attn_cw{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                           "combine_num_warps": n})) for n in (1, 4, 8)},
