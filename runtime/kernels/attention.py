@@ -766,23 +766,39 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     )
     # v1's split kernel does not signal its dependents early; its combine may still be a programmatic
     # dependent (it then starts when the last split exits, before the kernel's completion is flushed).
+    _combine(acc, ml, sinks, out, start_pos, tl_buf, w=w, ring=ring, window=window, block_n=block_n,
+             block_d=block_d, combine_block_s=combine_block_s, pdl=pdl, wait=not _pdl_no_wait,
+             tl_base=num_splits * nkv if timeline else None, trigger=bool(_combine_trigger),
+             one_load=combine_one_load, num_warps=combine_num_warps)
+    return out
+
+
+def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, block_n, block_d=None,
+             combine_block_s=None, pdl, wait=True, tl_base=None, trigger=False, one_load=None, num_warps=None):
+    """The combine launch over partials ``acc`` [nkv, splits, block_m, d] / ``ml`` [nkv, splits, 2,
+    block_m] (the split kernels' layout) into ``out`` [w, nh, d]; ``pdl``: as a programmatic
+    dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
+    ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline). The
+    options left None take the module's COMBINE_* defaults."""
+    nkv, num_splits, block_m, d = acc.shape
+    nh = out.shape[1]
+    block_d = min(COMBINE_BLOCK_D if block_d is None else block_d, d)
     block_s = max(16, next_pow2(num_splits))
     sub_s = min(COMBINE_BLOCK_S if combine_block_s is None else combine_block_s, block_s)
     _attn_combine_kernel[(w * nh, d // block_d)](
-        acc, ml, sinks if has_sink else acc, out, start_pos, tl_buf,
+        acc, ml, acc if sinks is None else sinks, out, start_pos, acc if tl_buf is None else tl_buf,
         acc.stride(0), acc.stride(1), acc.stride(2),
         ml.stride(0), ml.stride(1),
         out.stride(0), out.stride(1),
         w, int(window), num_splits,
-        NH=nh, G=G, IS_RING=ring, HAS_SINK=has_sink,
+        NH=nh, G=nh // nkv, IS_RING=ring, HAS_SINK=sinks is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s,
-        SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and not _pdl_no_wait, TIMELINE=timeline,
-        ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if combine_one_load is None else bool(combine_one_load)),
-        TL_BASE=num_splits * nkv if timeline else 0, TRIGGER=pdl and bool(_combine_trigger),
-        num_warps=COMBINE_NUM_WARPS if combine_num_warps is None else int(combine_num_warps),
+        SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and wait, TIMELINE=tl_base is not None,
+        ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if one_load is None else bool(one_load)),
+        TL_BASE=tl_base or 0, TRIGGER=pdl and trigger,
+        num_warps=COMBINE_NUM_WARPS if num_warps is None else int(num_warps),
         **({"launch_pdl": True} if pdl else {}),
     )
-    return out
 
 
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
