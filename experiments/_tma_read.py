@@ -11,6 +11,10 @@ bytes in flight per SM are bounded by shared memory (228 KiB), not by registers:
   range of BN-row key blocks (the attention split's partition: per = ceil(blocks / programs)), a ring
   of ``stages`` K and V tiles, one mbarrier each, the next block's copy issued as soon as a tile has
   landed. What the split's stream could be with no arithmetic at all.
+* ``_tma_stream_merge_kernel`` (``tmasm{m}_{bn}_s{stages}``, session 20): the stream, releasing the
+  combine at its start as the attention split does, then a partial per program in the split kernels'
+  layout, merged by the attention's own combine launch (``attention._combine``): a split + merge call
+  with no arithmetic.
 * ``_tma_flat_kernel`` (``tmaf{bn}``): one 1-warp program per BN-row tile of the capacity (a fixed
   grid, as a captured launch needs); programs past the valid extent only read start_pos.
 
@@ -20,6 +24,8 @@ only wait for their tiles to land (nothing reads shared memory afterwards). They
 
 Answer (session 19, H200, calls 1 and 7 in experiments/notes/kernels.md): yes. At 64K the readers take
 9.9-10.7 us (0.76-0.81 of copy bandwidth), ``tmaf128`` the fastest; the register floor 11.4 us.
+Session 20 (call 8): with its partials and the combine, the same stream takes 14.35-14.47 us at 64K
+(0.549-0.553), against 10.68 us without them and 15.55 us for the attention itself.
 """
 from __future__ import annotations
 
@@ -36,11 +42,16 @@ try:
 except ImportError:   # a triton without Gluon: the probes are unavailable, nothing else is
     gluon = None
 
-PATTERN = re.compile(r"tmas(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
+PATTERN = re.compile(r"tmas(m?)(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
 
 if gluon is not None:
     @gluon.jit
     def _tma_stream_kernel(k_desc, v_desc, OUT, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr):
+        gl.store(OUT + gl.program_id(0), _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES))
+
+    @gluon.jit
+    def _stream(k_desc, v_desc, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr):
+        """This program's share of the K/V blocks through a ring of STAGES TMA copies; returns its block count."""
         pid = gl.program_id(0)
         n_keys = gl.load(START) + W
         n_blocks = gl.cdiv(n_keys, BN)
@@ -70,7 +81,28 @@ if gluon is not None:
                                             pred=ok)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        gl.store(OUT + pid, nb)
+        return nb
+
+    @gluon.jit
+    def _tma_stream_merge_kernel(k_desc, v_desc, ACC, ML, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr,
+                                 BLOCK_M: gl.constexpr):
+        """``_tma_stream_kernel``, releasing its programmatic dependent (the combine) at its start as the
+        v2 split does, then storing a partial in the split kernels' layout (ACC [NPROG, BLOCK_M, D]
+        zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1): a split + merge call with no arithmetic."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        pid = gl.program_id(0)
+        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES)
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
+        for r0 in gl.static_range(0, BLOCK_M, 16):
+            gl.store(ACC + (pid * BLOCK_M + r0 + rows)[:, None] * D + cols[None, :], gl.zeros([16, D], gl.float32, lay))
+        lay1: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+        i = gl.arange(0, BLOCK_M, layout=lay1)
+        gl.store(ML + pid * 2 * BLOCK_M + i, gl.zeros([BLOCK_M], gl.float32, lay1))
+        gl.store(ML + pid * 2 * BLOCK_M + BLOCK_M + i, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
 
     @gluon.jit
     def _tma_flat_kernel(k_desc, v_desc, OUT, START, W, BN: gl.constexpr):
@@ -100,25 +132,47 @@ def _descs(k: torch.Tensor, v: torch.Tensor, bn: int):
 
 def calls(name: str, data) -> list | None:
     """Calls of probe ``name`` (``PATTERN``) over ``bench_kernels.attention_sets`` data (one KV head);
-    None when the name is not a TMA probe or Gluon / sm_90 is missing."""
+    None when the name is not a TMA probe or Gluon / sm_90 is missing. ``tmasm...``: the stream, its
+    partials and the attention's own combine launch (``attention._combine``, a programmatic dependent
+    with the runtime's defaults) over them."""
     m = PATTERN.fullmatch(name)
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
-    if m.group(4):   # flat: one program per tile of the capacity
-        bn = int(m.group(4))
+    merge = False
+    if m.group(5):   # flat: one program per tile of the capacity
+        bn = int(m.group(5))
         grid = triton.cdiv(data[0][1].shape[1], bn)
 
         def launch(kd, vd, o, sp, w):
             _tma_flat_kernel[(grid,)](kd, vd, o, sp, w, BN=bn, num_warps=1)
     else:            # stream: programs per SM, each its contiguous share
-        per_sm, bn, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        merge, per_sm, bn, stages = m.group(1) == "m", int(m.group(2)), int(m.group(3)), int(m.group(4))
         grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
 
         def launch(kd, vd, o, sp, w):
             _tma_stream_kernel[(grid,)](kd, vd, o, sp, w, grid, BN=bn, STAGES=stages, num_warps=1)
     out = []
-    for q, k, v, _, sp, _ in data:
+    for q, k, v, _, sp, o_att in data:
         kd, vd = _descs(k, v, bn)
+        if merge:
+            out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages))
+            continue
         o = torch.empty(grid, dtype=torch.int32, device=k.device)
         out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]: launch(kd, vd, o, sp, w))
     return out
+
+
+def _merge_call(kd, vd, q, sp, out, grid, bn, stages):
+    """One ``tmasm`` call: the stream with its partials, then the attention's combine over them."""
+    from runtime.kernels import attention as A
+
+    w, nh, d = q.shape
+    block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * nh))
+    acc = torch.empty((1, grid, block_m, d), device=q.device, dtype=torch.float32)
+    ml = torch.empty((1, grid, 2, block_m), device=q.device, dtype=torch.float32)
+
+    def call():
+        _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
+                                          num_warps=1)
+        A._combine(acc, ml, None, out, sp, w=w, ring=False, window=0, block_n=A.BLOCK_N, pdl=True)
+    return call

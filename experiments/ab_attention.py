@@ -78,7 +78,9 @@ def probe_calls(name, data, n_keys, d):
     into a scratch buffer: read + write = the KV bytes), ``read`` / ``read2`` (``_stream_read_kernel``
     with one / two programs per SM), ``tsum`` (torch sums of the valid K and V rows), ``sol{m}_{rows}``
     (``_sol_read_kernel``), ``solf{rows}_w{warps}[_host|_cg]`` (bench_kernels' read floor), and the TMA
-    readers ``tmas{m}_{rows}_s{stages}`` / ``tmaf{rows}`` (``_tma_read``, sm_90+ only)."""
+    readers ``tmas{m}_{rows}_s{stages}`` / ``tmaf{rows}`` and ``tmasm{m}_{rows}_s{stages}`` (the
+    stream, then its partials merged by the attention's own combine: a split + merge call with no
+    arithmetic) (``_tma_read``, sm_90+ only)."""
     if _tma_read.PATTERN.fullmatch(name):
         tma_calls = _tma_read.calls(name, data)
         if tma_calls is None:
@@ -112,6 +114,7 @@ PROBES = ("copy", "read", "read2", "tsum") + tuple(f"sol{m}_{c}" for m in (1, 2,
 PROBES += tuple(f"solf{c}_w{nw}" for c in (8, 16, 32, 64, 128) for nw in (1, 2, 4, 8))
 PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
 # session 19: TMA readers (programs per SM, rows per tile, stages; flat: rows per tile)
+PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its partials and the combine
 PROBES += ("tmas1_64_s4", "tmas1_64_s6", "tmas1_128_s3", "tmas2_64_s3", "tmas4_64_s1", "tmas2_32_s6",
            "tmaf16", "tmaf32", "tmaf64", "tmaf128")
 
@@ -128,8 +131,6 @@ CONFIGS = {
     "tma_tailpf_cnw2": dict(tma=True, tail_prefetch=True, combine_num_warps=2),
     "v1": dict(variant="v1"),
     "nopdl": dict(pdl=False),
-    "comb_pf": dict(_combine_prefetch=True),
-    "tma_tailpf_combpf": dict(tma=True, tail_prefetch=True, _combine_prefetch=True),
     # the combine releases its dependent (the next call's split) at its start and the split asks L2
     # for its first two blocks before its wait: what a predecessor that triggers early would allow
     "trigger_pf2": dict(_combine_trigger=True, prefetch=2),
