@@ -255,7 +255,8 @@ def _lin(spec: str) -> dict:
     return {keys[p[:2]]: int(p[2:]) for p in spec.split(".") if p}
 
 
-# skinny_linear tilings and pipeline depths per projection: name -> (Q/K/V spec, output spec)
+# skinny_linear tilings and pipeline depths per projection: name -> (Q/K/V spec, output spec); the
+# names count stages against session 20's first default of 4 (calls 2-3), so "lin_q6" is now the default
 LINEAR_VARIANTS = {
     "lin_q6": ("st6", ""), "lin_o6": ("", "st6"), "lin_q5_o5": ("st5", "st5"), "lin_q8_o8": ("st8", "st8"),
     "lin_q12_o6": ("st12", "st6"), "lin_q8bk64_o6": ("st8.bk64", "st6"), "lin_q12bk64_o12bk64": ("st12.bk64", "st12.bk64"),

@@ -140,10 +140,11 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     int32 device tensor holding zero, left zero by every call (pass a persistent one for CUDA-graph
     capture; otherwise one is zeroed per call). ``ids`` / ``weights``: outputs to write into.
     ``split_h``: H slices (default SPLIT_H, at most one per BLOCK_K columns). ``pdl``: programmatic
-    dependent launch (default PDL; sm_90+ CUDA only). ``weights_first``: the router slice loaded before the wait (default
-    WEIGHTS_FIRST; slices of at most 1024 columns, padded to a power of two, else the steps). ``_order_bug``: negative control of the tests (equal
-    logits in the wrong order); ``_poison``: the partial-logit workspace starts as NaN (tests: a
-    finalise that reads a partial before it is written shows)."""
+    dependent launch (default PDL; sm_90+ CUDA only). ``weights_first``: the router slice loaded
+    before the wait (default WEIGHTS_FIRST; slices of at most 1024 columns, padded to a power of two,
+    else the steps). ``_order_bug``: negative control of the tests (equal logits in the wrong order);
+    ``_poison``: the partial-logit workspace starts as NaN (tests: a finalise that reads a partial
+    before it is written shows)."""
     T, H, E = check_rows_by_weight(x, router, BLOCK_T, "x [T, H], router [E, H]")
     check(k >= 1 and k & (k - 1) == 0 and k <= E <= 1024, "k a power of two, k <= E <= 1024")
     split = int(split_h) if split_h else min(SPLIT_H, triton.cdiv(H, BLOCK_K))   # (no empty slices)
