@@ -18,7 +18,9 @@ For every kernel and shape it prints and records:
   same way (the floor of moving these bytes in one launch, with its fixed latency), and
   of_copy_same = copy_same_us / graph_us; read_floor_us, the fastest register-load reader of the same
   K/V bytes in one launch (start_pos first, no arithmetic), and read_floor_tma_us, the same bytes
-  through the TMA engine (``_tma_read``, sm_90+; NaN elsewhere), with of_read_floor / _tma.
+  through the TMA engine (``_tma_read``, sm_90+; NaN elsewhere), with of_read_floor / _tma; and
+  skeleton_us, that TMA stream storing a partial per program with the runtime's own combine launch
+  over them (the split + merge design with no arithmetic; ``_tma_read.tmasm1_128_s3``), of_skeleton.
 Full results go to $OUT/bench_kernels.json and .csv when OUT is set; a short table comes last.
 
 ``--dry-run`` runs the whole script on the CPU at toy shapes through the Triton interpreter, with
@@ -251,6 +253,10 @@ def bench_attention(copy_bw, l2, sweep):
             # _tma_read.tmaf128: the fastest reader measured, 10.2 us at 64K against 11.4 us)
             tma_calls = _tma_read.calls("tmaf128", data) if mode == "full" else None
             read_tma_us = graph_time(tma_calls)[0] * 1e6 if tma_calls else float("nan")
+            # session 20: the split + merge design with no arithmetic (_tma_read.tmasm1_128_s3: that TMA
+            # stream, a partial per program and the runtime's own combine launch over them)
+            skel_calls = _tma_read.calls("tmasm1_128_s3", data) if mode == "full" else None
+            skeleton_us = graph_time(skel_calls)[0] * 1e6 if skel_calls else float("nan")
             for name, cfg in configs:
                 long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
                 if name in long_only:
@@ -265,8 +271,9 @@ def bench_attention(copy_bw, l2, sweep):
                 row = record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
                              ref_calls=ref_calls if name == "default" else None,
                              eager=name == "default", w=w, keys=n_keys, copy_same_us=copy_us,
-                             read_floor_us=read_us, read_floor_tma_us=read_tma_us)
+                             read_floor_us=read_us, read_floor_tma_us=read_tma_us, skeleton_us=skeleton_us)
                 row["of_copy_same"] = copy_us / row["graph_us"]
+                row["of_skeleton"] = skeleton_us / row["graph_us"]
                 row["of_read_floor"] = read_us / row["graph_us"]
                 row["of_read_floor_tma"] = read_tma_us / row["graph_us"]
             del data, ref_calls
@@ -659,7 +666,10 @@ def main():
                   f"alone in one launch (start_pos first, no arithmetic) takes {r['read_floor_us']:.2f} us "
                   f"(= {r['bytes'] / (r['read_floor_us'] * 1e-6) / copy_bw:.3f}): {r['graph_us'] / r['read_floor_us']:.2f}x; "
                   f"through the TMA engine {r['read_floor_tma_us']:.2f} us "
-                  f"(= {r['bytes'] / (r['read_floor_tma_us'] * 1e-6) / copy_bw:.3f}): {r['graph_us'] / r['read_floor_tma_us']:.2f}x")
+                  f"(= {r['bytes'] / (r['read_floor_tma_us'] * 1e-6) / copy_bw:.3f}): {r['graph_us'] / r['read_floor_tma_us']:.2f}x; "
+                  f"that stream + a partial per program + the runtime's combine, no arithmetic (the split + "
+                  f"merge design's floor) {r['skeleton_us']:.2f} us "
+                  f"(= {r['bytes'] / (r['skeleton_us'] * 1e-6) / copy_bw:.3f}): {r['graph_us'] / r['skeleton_us']:.2f}x")
         if r["kernel"] == "moe" and "realistic" in r["shape"]:
             goals.append((f"moe {r['shape']} >= 0.65", r["frac"] >= 0.65))
         if "ref_us" in r:
