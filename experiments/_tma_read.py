@@ -15,6 +15,9 @@ bytes in flight per SM are bounded by shared memory (228 KiB), not by registers:
   combine at its start as the attention split does, then a partial per program in the split kernels'
   layout, merged by the attention's own combine launch (``attention._combine``): a split + merge call
   with no arithmetic.
+* ``_tma_stream_barrier_kernel`` (``tmasb{m}_{bn}_s{stages}``, session 21): the same split + merge with
+  no arithmetic in ONE launch: the stream and partial, a grid-wide arrival counter (every program
+  polls until all have arrived), then each program merges (row, 32-column) slices of all partials.
 * ``_tma_flat_kernel`` (``tmaf{bn}``): one 1-warp program per BN-row tile of the capacity (a fixed
   grid, as a captured launch needs); programs past the valid extent only read start_pos.
 
@@ -25,7 +28,8 @@ only wait for their tiles to land (nothing reads shared memory afterwards). They
 Answer (session 19, H200, calls 1 and 7 in experiments/notes/kernels.md): yes. At 64K the readers take
 9.9-10.7 us (0.76-0.81 of copy bandwidth), ``tmaf128`` the fastest; the register floor 11.4 us.
 Session 20 (call 8): with its partials and the combine, the same stream takes 14.35-14.47 us at 64K
-(0.549-0.553), against 10.68 us without them and 15.55 us for the attention itself.
+(0.549-0.553), against 10.68 us without them and 15.55 us for the attention itself. Session 21
+(call 5): in one launch (``tmasb``) 16.45-16.65 us at 64K, slower than the two launches (14.50 us).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ try:
 except ImportError:   # a triton without Gluon: the probes are unavailable, nothing else is
     gluon = None
 
-PATTERN = re.compile(r"tmas(m?)(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
+PATTERN = re.compile(r"tmas([mb]?)(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
 
 if gluon is not None:
     @gluon.jit
@@ -105,6 +109,56 @@ if gluon is not None:
         gl.store(ML + pid * 2 * BLOCK_M + BLOCK_M + i, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
 
     @gluon.jit
+    def _tma_stream_barrier_kernel(k_desc, v_desc, ACC, ML, OUT, CNT, START, W, NPROG, NROWS,
+                                   BN: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                                   BLOCK_S: gl.constexpr, SLICE: gl.constexpr, num_warps: gl.constexpr):
+        """A split + merge call in ONE launch, with no arithmetic (``tmasb{m}_{bn}_s{stages}``, session
+        21): ``_tma_stream_merge_kernel``'s stream and partial, then a grid-wide arrival counter (CTA
+        barrier, one release add; every program then polls with acquire loads until all NPROG have
+        arrived: the grid must be co-resident, one program per SM here), then each program merges
+        SLICE-column slices (row, slice) = pid, pid + NPROG, ... of all partials (max of m, 2^(m - M)
+        weights, weighted sums, FP32) into OUT [NROWS, D]; the last to finish re-zeroes CNT[0:2]."""
+        pid = gl.program_id(0)
+        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES)
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
+        for r0 in gl.static_range(0, BLOCK_M, 16):   # (ones: a complete merge gives exactly 1)
+            gl.store(ACC + (pid * BLOCK_M + r0 + rows)[:, None] * D + cols[None, :],
+                     gl.full([16, D], 1.0, gl.float32, lay))
+        lay1: gl.constexpr = gl.BlockedLayout([2], [32], [num_warps], [0])
+        i = gl.arange(0, BLOCK_M, layout=lay1)
+        gl.store(ML + pid * 2 * BLOCK_M + i, gl.zeros([BLOCK_M], gl.float32, lay1))
+        gl.store(ML + pid * 2 * BLOCK_M + BLOCK_M + i, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
+        gl.thread_barrier()
+        gl.atomic_add(CNT, 1, sem="release", scope="gpu")
+        arrived = gl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+        while arrived < NPROG:
+            arrived = gl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+        ml_lay: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+        offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, ml_lay))
+        offs_c = gl.arange(0, SLICE, layout=gl.SliceLayout(0, ml_lay))
+        s_ok = offs_s < NPROG
+        n_sl: gl.constexpr = D // SLICE
+        for t in range(pid, NROWS * n_sl, NPROG):
+            row = t // n_sl
+            c0 = (t % n_sl) * SLICE
+            m_s = gl.load(ML + offs_s * (2 * BLOCK_M) + row, mask=s_ok, other=-1.0e30, cache_modifier=".cg")
+            l_s = gl.load(ML + offs_s * (2 * BLOCK_M) + BLOCK_M + row, mask=s_ok, other=0.0, cache_modifier=".cg")
+            part = gl.load(ACC + (offs_s * BLOCK_M + row)[:, None] * D + (c0 + offs_c)[None, :],
+                           mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
+            m_all = gl.max(m_s, 0)
+            wgt = gl.exp2(m_s - m_all)
+            den = gl.sum(wgt * l_s, 0)
+            num = gl.sum(wgt[:, None] * part, 0)
+            gl.store(OUT + row * D + c0 + offs_c, num / den)
+        done = gl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu")
+        if done == NPROG - 1:   # every program has passed its poll: re-arm for the next call
+            gl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")
+            gl.atomic_xchg(CNT + 1, 0, sem="relaxed", scope="gpu")
+
+    @gluon.jit
     def _tma_flat_kernel(k_desc, v_desc, OUT, START, W, BN: gl.constexpr):
         pid = gl.program_id(0)
         n_keys = gl.load(START) + W
@@ -138,7 +192,7 @@ def calls(name: str, data) -> list | None:
     m = PATTERN.fullmatch(name)
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
-    merge = False
+    merge = barrier = False
     if m.group(5):   # flat: one program per tile of the capacity
         bn = int(m.group(5))
         grid = triton.cdiv(data[0][1].shape[1], bn)
@@ -146,7 +200,8 @@ def calls(name: str, data) -> list | None:
         def launch(kd, vd, o, sp, w):
             _tma_flat_kernel[(grid,)](kd, vd, o, sp, w, BN=bn, num_warps=1)
     else:            # stream: programs per SM, each its contiguous share
-        merge, per_sm, bn, stages = m.group(1) == "m", int(m.group(2)), int(m.group(3)), int(m.group(4))
+        merge, barrier = m.group(1) == "m", m.group(1) == "b"
+        per_sm, bn, stages = int(m.group(2)), int(m.group(3)), int(m.group(4))
         grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
 
         def launch(kd, vd, o, sp, w):
@@ -157,9 +212,32 @@ def calls(name: str, data) -> list | None:
         if merge:
             out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages))
             continue
+        if barrier:
+            out.append(_barrier_call(kd, vd, q, sp, grid, bn, stages))
+            continue
         o = torch.empty(grid, dtype=torch.int32, device=k.device)
         out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]: launch(kd, vd, o, sp, w))
     return out
+
+
+def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
+    """One ``tmasb`` call: stream, partials, grid-wide arrival and the merge, in one launch (plain: a
+    programmatic dependent could start before the previous call's programs leave their SMs)."""
+    from runtime.kernels import attention as A
+
+    w, nh, d = q.shape
+    block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * nh))
+    acc = torch.empty((grid, block_m, d), device=q.device, dtype=torch.float32)
+    ml = torch.empty((grid, 2, block_m), device=q.device, dtype=torch.float32)
+    out = torch.empty((w * nh, d), device=q.device, dtype=torch.float32)
+    cnt = torch.zeros(2, device=q.device, dtype=torch.int32)
+
+    def call():
+        _tma_stream_barrier_kernel[(grid,)](kd, vd, acc, ml, out, cnt, sp, w, grid, w * nh, BN=bn, STAGES=stages,
+                                            BLOCK_M=block_m, BLOCK_S=max(16, triton.next_power_of_2(grid)),
+                                            SLICE=slice_, num_warps=num_warps)
+    call.check = lambda: (out, cnt)   # (a complete merge: every value exactly 1; counters back at 0)
+    return call
 
 
 def _merge_call(kd, vd, q, sp, out, grid, bn, stages):

@@ -115,6 +115,8 @@ PROBES += tuple(f"solf{c}_w{nw}" for c in (8, 16, 32, 64, 128) for nw in (1, 2, 
 PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
 # session 19: TMA readers (programs per SM, rows per tile, stages; flat: rows per tile)
 PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its partials and the combine
+# session 21: the same in one launch: the stream, its partials, a grid-wide arrival and the merge
+PROBES += ("tmasb1_128_s3", "tmasb1_64_s4")
 PROBES += ("tmas1_64_s4", "tmas1_64_s6", "tmas1_128_s3", "tmas2_64_s3", "tmas4_64_s1", "tmas2_32_s6",
            "tmaf16", "tmaf32", "tmaf64", "tmaf128")
 

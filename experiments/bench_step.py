@@ -337,6 +337,14 @@ AB_VARIANTS = {
     **{f"attn_ns{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                           "num_splits": n})) for n in (66, 264)},
     # the attention combine with 1 / 4 / 8 warps (default attention.COMBINE_NUM_WARPS)
+    # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):
+    # bench_kernels (session 21, call 3) timed 32 keys x 6 stages faster at 4K (full and ring), 16K and
+    # 192K, slower at 64K w = 4 / 6; kv_first 2: an 8K split's two 32-key blocks on the short path
+    **{f"attn_bn{bn}_st{st}{'_kf2' if kf else ''}": (
+        lambda rnd, bn=bn, st=st, kf=kf: _model_variant(rnd, _attn_options={
+            **rnd.model._attn_options, "block_n": bn, "num_stages": st, **({"kv_first": 2} if kf else {})}))
+       for bn, st, kf in ((32, 6, False), (32, 4, False), (32, 8, False), (32, 6, True), (64, 6, False),
+                          (64, 3, False))},
     **{f"attn_cw{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                           "combine_num_warps": n})) for n in (1, 4, 8)},
     # lin_q{Q/K/V}_o{output}: see LINEAR_VARIANTS

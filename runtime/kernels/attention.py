@@ -804,7 +804,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -827,19 +827,20 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     ``kv_first`` (v2): splits of at most this many key blocks request K/V before Q (None: KV_FIRST);
     ``kv_before_wait`` (v2): such a split reads a first block that lies wholly below start_pos before
     its wait (None: KV_BEFORE_WAIT with PDL, off without), so rows below start_pos must not be written
-    by a kernel that may still run when the call's predecessor begins.
+    by a kernel that may still run when the call's predecessor begins. ``block_n`` / ``num_stages``:
+    keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES).
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
-                   kv_first=kv_first, kv_before_wait=kv_before_wait)
+                   kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -849,7 +850,7 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
-                   kv_first=kv_first, kv_before_wait=kv_before_wait)
+                   kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -447,6 +447,27 @@ def test_interp_v2_options(opts):
 
 
 @cpu_only
+@pytest.mark.parametrize("block_n,num_stages", [(32, 2), (16, 3)])
+def test_interp_public_block_options(block_n, num_stages):
+    """decode_attention_full / _ring pass the split's block_n and num_stages through (the runtime's
+    attention_options, bench_step's attn_bn* variants): with 32 / 16 keys per block the same mini
+    calls use two / four times as many blocks, several per split; the sinkless control is rejected."""
+    A = load_kernels("attention")
+    w, start = 6, 700
+    q, k, v, sinks = make_full(w, MINI["nh"], MINI["nkv"], MINI["d"], start, seed=5)
+    kw = dict(num_splits=3, block_n=block_n, num_stages=num_stages)
+    out = A.decode_attention_full(q, k, v, _start(start, q.device), sinks, **kw)
+    assert max_row_rel_err(out, A.attention_reference(q, k, v, start, sinks)) < TOL
+    no_sink = torch.full((MINI["nh"],), float("-inf"))
+    out = A.decode_attention_full(q, k, v, _start(start, q.device), no_sink, **kw)
+    assert max_row_rel_err(out, A.attention_reference(q, k, v, start, sinks)) > TOL
+    window = MINI["window"]
+    q, hk, hv, kr, vr, sinks = make_ring(w, MINI["nh"], MINI["nkv"], MINI["d"], 1300, window, window + 64, seed=6)
+    out = A.decode_attention_ring(q, kr, vr, _start(1300, q.device), sinks, window, **kw)
+    assert max_row_rel_err(out, A.attention_reference(q, hk, hv, 1300, sinks, window=window)) < TOL
+
+
+@cpu_only
 @pytest.mark.parametrize("cd,cs", [(64, 16), (16, 64)])
 def test_interp_combine_tiles(cd, cs):
     A = load_kernels("attention")
