@@ -56,6 +56,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp
 from . import norm as _norm
 from .norm import load_weight, rms_scale
 
@@ -215,12 +216,18 @@ def _moe_gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-    WAIT: tl.constexpr = False,
+    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False,
 ):
+    """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
+    nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
+    a program with an expert group)."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
+    prog = g * tl.num_programs(1) + nb
+    _stamp(TL, prog, 1, TIMELINE)
     if WAIT:   # launched as a programmatic dependent of the router: its ids (and the norm's x) from here
         gdc_wait()
+    _stamp(TL, prog, 2, TIMELINE)
     # The Down may launch now: it waits (griddepcontrol.wait) before reading what this writes, but
     # reads the ids before its wait, so it is released only once the router's ids are final (after
     # the wait above; released earlier, it read stale ids: the H200 showed illegal addresses).
@@ -261,6 +268,9 @@ def _moe_gate_up_kernel(
         bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
         tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
         tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
+        if TIMELINE:
+            tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
+    _stamp(TL, prog, 3, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["P"], launch_metadata=launch_signature)
@@ -303,7 +313,7 @@ def _moe_down_wide_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
     F16: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    NO_WAIT: tl.constexpr = False,
+    NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
@@ -311,6 +321,8 @@ def _moe_down_wide_kernel(
     block are in flight while this one is multiplied. Same products as v1's Down (the MMA's internal
     summation order may differ in the last bit). H200: Down 59.1 -> 37.2 us at NB=8, 3 stages."""
     g = tl.program_id(0)
+    prog = TL_BASE + g * tl.num_programs(1) + tl.program_id(1)
+    _stamp(TL, prog, 1, TIMELINE)
     if PDL:
         gdc_launch_dependents()
     # IDS and the weights were final before Gate/Up released this kernel: safe to read before the wait
@@ -323,6 +335,9 @@ def _moe_down_wide_kernel(
                     prefetch_l2(W2 + expert.to(tl.int64) * stride_we + rows * stride_wn + kl * 128)
             if not NO_WAIT:   # (NO_WAIT: negative control of the tests)
                 gdc_wait()   # Gate/Up complete: its activations and scales are visible from here
+        _stamp(TL, prog, 2, TIMELINE)
+        if TIMELINE:
+            tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
         offs_k = tl.arange(0, 128)
         k1 = 128 + offs_k
         k0_ok = offs_k < I
@@ -361,13 +376,14 @@ def _moe_down_wide_kernel(
                 acc = acc * row_scale[:, None]
             tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], acc,
                      mask=row_ok[:, None] & n_ok[None, :])
+    _stamp(TL, prog, 3, TIMELINE)
 
 
 @triton.jit(launch_metadata=launch_signature)
 def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om, stride_r, eps,
                        H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
                        NORM: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1, NORM_BUG: tl.constexpr = False,
-                       WEIGHT_FIRST: tl.constexpr = False):
+                       WEIGHT_FIRST: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0):
     # It does not release the next kernel early (session 14, call 6: the chain of early launches then
     # reached the next layer's attention while the Down ran, and the step was 4 % slower).
     if NORM:
@@ -375,8 +391,11 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
         fok = full < H
         if WEIGHT_FIRST:   # the norm weight before the wait (any program may be the row's last)
             wt = load_weight(WT, full, fok)
+    prog = TL_BASE + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    _stamp(TL, prog, 1, TIMELINE)
     if PDL:
         gdc_wait()
+    _stamp(TL, prog, 2, TIMELINE)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -405,6 +424,7 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
             tl.atomic_xchg(CNT + r, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
     else:
         tl.store(OUT + r * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)
+    _stamp(TL, prog, 3, TIMELINE)
 
 
 # ----------------------------------------------------------------------------------------- v2
@@ -587,8 +607,8 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
-                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False):
-    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch)."""
+                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None):
+    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``tl_buf``: timeline records (diagnostics)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
     _moe_gate_up_kernel[grid](
@@ -600,6 +620,7 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
         UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
+        TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
     )
@@ -620,7 +641,7 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
 
 
 def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
-                      act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False):
+                      act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256)."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
@@ -632,12 +653,13 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
         ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
         F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
-        NO_WAIT=no_wait,
+        NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
         num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
     )
 
 
-def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None):
+def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None,
+                   tl_buf=None, tl_base=0):
     """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch). ``norm`` = (residual, weight, eps,
     counter): instead residual += that sum (rounded to BF16) and out = RMSNorm(residual) * weight,
     computed by each row's last program (``counter``: int32 zeros, at least w, left zero). Every program
@@ -654,6 +676,7 @@ def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=F
         H=H, TOPK=tw.shape[1], BLOCK_H=block_h, PDL=pdl, NORM=norm is not None, BLOCK_ROW=next_pow2(H),
         NORM_BUG=bool(norm_bug), num_warps=RED_NORM_NUM_WARPS if norm is not None else 4,
         WEIGHT_FIRST=norm is not None and _norm.resolve_weight_first(weight_first),
+        TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -693,6 +716,14 @@ def _launch_down_v2(act, act_scale, ids, tw, groups, w2, s2, dpart, cnt, out, *,
     )
 
 
+def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None):
+    """(Gate/Up, wide Down, reduce) program counts of a v1 call: the ``_timeline`` records' layout."""
+    P = w * topk
+    nb = down_nb or DOWN_NB
+    return (min(P, E) * triton.cdiv(I, GU_BLOCK_N), min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb),
+            w * triton.cdiv(H, red_block_h or RED_BLOCK_H))
+
+
 def counters_size(w, H, I, E, topk=8):
     """int32 entries of the v2 counter buffer (``counters=``) for these shapes."""
     return min(w * topk, E) * triton.cdiv(I, GU2_BLOCK_N) + triton.cdiv(H, DOWN2_BLOCK_N)
@@ -703,7 +734,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -736,6 +767,14 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                   and cnt.dtype == torch.int32 and cnt.numel() >= w and res.device == wt.device == dev,
                   "norm: (residual [w, H], weight [H], eps, int32 counter of >= w zeros)")
             check(next_pow2(H) <= 32768, "norm: H <= 32768")
+        # _timeline (diagnostics: experiments/timeline_moe.py): int64 [timeline_programs(...),
+        # TIMELINE_FIELDS] records of the Gate/Up, then the wide Down's, then the reduce's programs
+        n_gu = min(P, E) * triton.cdiv(I, bn)
+        n_dn = min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb)
+        if _timeline is not None:
+            check(nb > 1 and _timeline.dtype == torch.int64 and _timeline.is_contiguous()
+                  and _timeline.numel() >= (n_gu + n_dn + w * triton.cdiv(H, red_block_h or RED_BLOCK_H))
+                  * TIMELINE_FIELDS, "_timeline: wide Down; int64 [timeline_programs(...), TIMELINE_FIELDS]")
         # PDL chains Gate/Up -> wide Down -> reduce (the one-block Down is launched plainly; the
         # reduce still waits correctly behind it)
         use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
@@ -747,15 +786,17 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
-                                                no_wait=_gu_no_wait)),
+                                                no_wait=_gu_no_wait, tl_buf=_timeline)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
-                                        act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait))),
+                                        act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait,
+                                        tl_buf=_timeline, tl_base=n_gu))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
-                                              norm_bug=_norm_bug, weight_first=norm_weight_first)),
+                                              norm_bug=_norm_bug, weight_first=norm_weight_first,
+                                              tl_buf=_timeline, tl_base=n_gu + n_dn)),
         ]
         return out, steps
     check(norm is None, "norm= (the reduce with the next add + RMSNorm) is a v1 option")

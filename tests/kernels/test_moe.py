@@ -321,6 +321,57 @@ def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16):
     assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
 
 
+def _timeline_case(M, no_wait=False):
+    """One q1-shard call with per-program records (``_timeline``) and one without: (records [n, 6]
+    on the CPU, program counts, the two outputs)."""
+    from runtime.kernels.attention import TIMELINE_FIELDS
+
+    H, I, E = Q1["H"], Q1["I"], Q1["E"]
+    w13, s13, w2, s2 = _q1_weights()
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(6, H, generator=g).to(torch.bfloat16).to(_dev())
+    ids, tw = make_routing(6, E, "shared", 32)
+    counts = M.timeline_programs(6, H, I, E)
+    rec = torch.zeros(sum(counts), TIMELINE_FIELDS, dtype=torch.int64, device=_dev())
+    kw = dict(pdl=True, _pdl_no_wait=no_wait)
+    out = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, _timeline=rec, **kw)
+    plain = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, **kw)
+    torch.cuda.synchronize()
+    return rec.cpu(), counts, out, plain
+
+
+@pytest.mark.gpu
+def test_timeline_records_the_launch_order():
+    """The MoE's diagnostic timeline (experiments/timeline_moe.py): the same output with and without
+    records; every program stamped in order (entry <= wait <= end); the wide Down's programs pass their
+    wait only after every Gate/Up program has ended, the reduce's after every Down program. Negative
+    control: the Down launched early without its wait (_pdl_no_wait) stamps 'waited' before the last
+    Gate/Up program ends."""
+    M = load_kernels("moe")
+    rec, (n_gu, n_dn, n_red), out, plain = _timeline_case(M)
+    assert torch.equal(out, plain)
+    assert (rec[:, 1] > 0).all() and (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 2] >= rec[:, 1]).all()
+    gu, dn, red = rec[:n_gu], rec[n_gu:n_gu + n_dn], rec[n_gu + n_dn:]
+    dn_act = dn[dn[:, 4] == 1]
+    assert int((gu[:, 4] == 1).sum()) % (Q1["I"] // M.GU_BLOCK_N) == 0 and dn_act.shape[0] > 0
+    assert dn_act[:, 2].min() >= gu[:, 3].max()
+    assert red[:, 2].min() >= dn[:, 3].max()
+    rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=True)
+    dn = rec[n_gu:n_gu + n_dn]
+    assert dn[dn[:, 4] == 1][:, 2].min() < rec[:n_gu, 3].max()
+
+
+def test_timeline_buffer_is_checked():
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = (t.to("cpu") for t in make_weights(256, 128, 4, seed=1))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    ids, tw = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2, dtype=torch.int32), torch.rand(2, 8)
+    n = sum(M.timeline_programs(2, 256, 128, 4, down_nb=2))
+    M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, _timeline=torch.zeros(n, 6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="_timeline"):
+        M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, _timeline=torch.zeros(n - 1, 6, dtype=torch.int64))
+
+
 # ------------------------------------------------------------------------------ CPU interpreter
 # The interpreter loads and upcasts E4M3 correctly; its FP32->E4M3 conversion is not used (the
 # kernel encodes E4M3 with integer arithmetic), so the FP8 paths run on the CPU too.

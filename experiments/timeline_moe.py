@@ -1,0 +1,115 @@
+"""Where the time of one fused MoE call goes: per-program timelines inside a CUDA graph.
+
+    OUT=... python3 experiments/timeline_moe.py [--distinct 38] [--w 6] [--sets 6] [--dry-run]
+
+Every program of the v1 MoE's three launches (Gate/Up, the wide Down, the reduce) records (SM,
+t_entry, t_wait, t_end) from the GPU's global timer (``moe_plan(_timeline=)``: t_wait is after
+griddepcontrol.wait; the Down's programs stamp it only if they own an expert group, field 4 marks
+those). The calls are captured as ``bench_kernels.py`` / ``ab_moe.py`` time them: one graph holding
+one call per rotating weight set (far beyond L2), replayed; the records of the last replay give, for
+each call after the first, its phases relative to the end of the previous call's last reduce
+program (the call boundary):
+
+    gate/up: first / last entry, median / last wait, first / median / 90th-percentile / last end,
+             median and longest busy time (end - wait) of a program with a group;
+    down:    first / median entry, last wait, median / last end, median busy time;
+    reduce:  first entry, last wait, last end (= the call's period).
+
+It also times the same graph without records (the stamps' cost) and prints the DRAM-side reading:
+the bytes of the distinct experts over the time between the Gate/Up's first wait and the Down's
+last end, against the copy bandwidth. Prints a table; $OUT/timeline_moe.json / .csv hold the
+summaries and the raw records of every call (ns after the first call's first entry).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
+
+import torch  # noqa: E402
+
+from bench_kernels import MOE, graph_time, moe_bytes, moe_data, moe_sets  # noqa: E402
+from runtime.kernels import moe as M  # noqa: E402
+from runtime.kernels.attention import TIMELINE_FIELDS  # noqa: E402
+
+
+def _q(t, p):
+    return float(torch.quantile(t, p)) if t.numel() else float("nan")
+
+
+def phases(rec, n_gu, n_dn, prev_end):
+    """Phase times (us) of one call relative to ``prev_end`` (ns); differences taken in int64."""
+    rel = (rec[:, 1:4] - prev_end).double() * 1e-3
+    gu_act = rec[:n_gu, 4] == 1
+    gu, gua = rel[:n_gu], rel[:n_gu][gu_act]
+    dn = rel[n_gu:n_gu + n_dn][rec[n_gu:n_gu + n_dn, 4] == 1]
+    rd = rel[n_gu + n_dn:]
+    return {
+        "gu_entry_first": _q(gu[:, 0], 0), "gu_entry_last": _q(gu[:, 0], 1),
+        "gu_wait_med": _q(gu[:, 1], 0.5), "gu_wait_last": _q(gu[:, 1], 1),
+        "gu_end_first": _q(gua[:, 2], 0), "gu_end_med": _q(gua[:, 2], 0.5),
+        "gu_end_p90": _q(gua[:, 2], 0.9), "gu_end_last": _q(gua[:, 2], 1),
+        "gu_busy_med": _q(gua[:, 2] - gua[:, 1], 0.5), "gu_busy_max": _q(gua[:, 2] - gua[:, 1], 1),
+        "dn_entry_first": _q(dn[:, 0], 0), "dn_entry_med": _q(dn[:, 0], 0.5),
+        "dn_wait_last": _q(dn[:, 1], 1), "dn_end_med": _q(dn[:, 2], 0.5), "dn_end_last": _q(dn[:, 2], 1),
+        "dn_busy_med": _q(dn[:, 2] - dn[:, 1], 0.5),
+        "red_entry_first": _q(rd[:, 0], 0), "red_wait_last": _q(rd[:, 1], 1), "red_end_last": _q(rd[:, 2], 1),
+        "gu_active": int(gu_act.sum()), "dn_active": int(dn.shape[0]),
+    }
+
+
+KEYS = ["gu_entry_first", "gu_wait_last", "gu_end_first", "gu_end_med", "gu_end_p90", "gu_end_last",
+        "gu_busy_med", "gu_busy_max", "dn_entry_first", "dn_wait_last", "dn_end_med", "dn_end_last",
+        "dn_busy_med", "red_wait_last", "red_end_last"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--distinct", type=int, default=MOE["realistic"], help="distinct experts per call")
+    ap.add_argument("--w", type=int, default=MOE["w"])
+    ap.add_argument("--sets", type=int, default=6, help="rotating weight sets = calls per graph")
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
+    args = ap.parse_args()
+    H, I, E, w = MOE["H"], MOE["I"], MOE["E"], args.w
+    copy_bw = copy_bandwidth()[0]
+    weights = moe_sets(args.sets)
+    data = moe_data(weights, w, args.distinct)
+    kw = {}
+    n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E)
+    bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
+    mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
+        x, ids, tw, *wt, o, _timeline=b if rec else None, **kw)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
+    t_plain = graph_time(mk(False))[0]
+    t_rec = graph_time(mk(not DRY_RUN))[0]   # the interpreter has no global timer
+    nbytes = moe_bytes(w, args.distinct)
+    print(f"copy {copy_bw / 1e12:.3f} TB/s; MoE w {w}, {args.distinct} distinct experts: {t_plain * 1e6:.2f} us per "
+          f"call ({nbytes['call'] / t_plain / copy_bw:.3f} of copy), {t_rec * 1e6:.2f} us with the records", flush=True)
+    if DRY_RUN:
+        return
+    recs = [b.cpu() for b in bufs]
+    per = []
+    for c in range(1, len(recs)):
+        prev_end = recs[c - 1][n_gu + n_dn:, 3].max()
+        per.append(phases(recs[c], n_gu, n_dn, prev_end))
+    med = {k: statistics.median(p[k] for p in per) for k in per[0]}
+    stream = med["dn_end_last"] - med["gu_wait_last"]
+    row = dict(w=w, distinct=args.distinct, graph_us=t_plain * 1e6, graph_rec_us=t_rec * 1e6,
+               frac=nbytes["call"] / t_plain / copy_bw, copy_Bps=copy_bw,
+               weights_frac_wait_to_down_end=(nbytes["gate_up"] + nbytes["down"]) / (stream * 1e-6) / copy_bw, **med)
+    print("\nus after the previous call's last reduce end (medians over calls):")
+    for k in KEYS:
+        print(f"  {k:16s} {med[k]:8.2f}")
+    print(f"  programs with a group: Gate/Up {med['gu_active']:.0f} of {n_gu}, Down {med['dn_active']:.0f} of {n_dn}")
+    print(f"  weights over [last Gate/Up wait, last Down end] = {stream:.2f} us: "
+          f"{row['weights_frac_wait_to_down_end']:.3f} of copy bandwidth")
+    base = min(int(r[:, 1][r[:, 1] > 0].min()) for r in recs)
+    raw = [torch.where(r[:, 1:4] > 0, r[:, 1:4] - base, -1).tolist() for r in recs]
+    write_results("timeline_moe", {"raw": raw, "programs": [n_gu, n_dn, n_red], "per_call": per}, [row])
+
+
+if __name__ == "__main__":
+    main()
