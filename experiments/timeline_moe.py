@@ -18,7 +18,8 @@ program (the call boundary):
 It also times the same graph without records (the stamps' cost) and prints the DRAM-side reading:
 the bytes of the distinct experts over the time between the Gate/Up's first wait and the Down's
 last end, against the copy bandwidth. Prints a table; $OUT/timeline_moe.json / .csv hold the
-summaries and the raw records of every call (ns after the first call's first entry).
+summaries and the raw records of every call (per program: SM, entry, wait, end in ns after the
+first call's first entry, has-work flag), from which per-SM loads can be read.
 """
 from __future__ import annotations
 
@@ -107,7 +108,9 @@ def main():
     print(f"  weights over [last Gate/Up wait, last Down end] = {stream:.2f} us: "
           f"{row['weights_frac_wait_to_down_end']:.3f} of copy bandwidth")
     base = min(int(r[:, 1][r[:, 1] > 0].min()) for r in recs)
-    raw = [torch.where(r[:, 1:4] > 0, r[:, 1:4] - base, -1).tolist() for r in recs]
+    # per program: SM, entry, wait, end (ns after the first entry; -1: not stamped), has work
+    raw = [torch.cat([r[:, :1], torch.where(r[:, 1:4] > 0, r[:, 1:4] - base, -1), r[:, 4:5]], 1).tolist()
+           for r in recs]
     write_results("timeline_moe", {"raw": raw, "programs": [n_gu, n_dn, n_red], "per_call": per}, [row])
 
 
