@@ -42,6 +42,8 @@ CONFIGS = {
     "gu_unroll1": dict(gu_unroll=1),
     # Gate/Up, Down and reduce launched plainly (no programmatic dependent launch)
     "no_pdl": dict(pdl=False),
+    # Gate/Up in N K shares per column block (gu_split_k; session 21, not yet measured)
+    **{f"gu_split{n}": dict(gu_split_k=n) for n in (2, 3, 4, 6)},
 }
 
 

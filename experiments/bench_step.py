@@ -337,6 +337,10 @@ AB_VARIANTS = {
     **{f"attn_ns{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
                                                                           "num_splits": n})) for n in (66, 264)},
     # the attention combine with 1 / 4 / 8 warps (default attention.COMBINE_NUM_WARPS)
+    # the MoE's Gate/Up in N K shares per column block (moe.py gu_split_k; session 21, not yet measured)
+    **{f"moe_gu_split{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
+                                                                               "gu_split_k": n}))
+       for n in (2, 3, 4, 6)},
     # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):
     # bench_kernels (session 21, call 3) timed 32 keys x 6 stages faster at 4K (full and ring), 16K and
     # 192K, slower at 64K w = 4 / 6; kv_first 2: an 8K split's two 32-key blocks on the short path

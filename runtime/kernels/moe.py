@@ -76,6 +76,10 @@ GU_NUM_WARPS = 4
 # kernel is issue-latency bound). Session 13, H200, same run: MoE 64.48 -> 62.30 us (38 experts),
 # 85.88 -> 79.29 us (48) with 4 stages; 3 stages 63.02 / 84.10, 2 stages 66.85 / 82.56.
 GU_UNROLL = 2
+# v1 Gate/Up: K shares per column block (keyword gu_split_k; > 1: programs (group, columns, share) with
+# the shares summed by the last to arrive). 1 until measured otherwise: session 21's per-SM timeline
+# predicts shorter programs spread the bytes more evenly over the SMs (not yet run on the GPU).
+GU_SPLIT_K = 1
 # FP16 tensor-core operands in v1 Gate/Up (keyword gu_f16): E4M3 -> FP16 is one packed conversion
 # per two weights, E4M3 -> BF16 several; x is converted to FP16 per tile (post-norm hidden states lie
 # within +-65504). H200, 38 experts: Gate/Up 62.9 -> 42.7 us (experiments/notes/kernels.md).
@@ -209,6 +213,15 @@ def _silu_mul_e4m3(hg, hu, ok, AXIS: tl.constexpr):
     return _e4m3_bits(a), scale
 
 
+@triton.jit
+def _gu_finish(acc_g, acc_u, ACT, ACT_SCALE, pair, row_ok, n_ok, offs_n, nb, stride_am, stride_asm):
+    """Gate/Up's epilogue: SiLU(gate) * up as E4M3 with one scale per (pair, column block)."""
+    ok = row_ok[:, None] & n_ok[None, :]
+    bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
+    tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
+    tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["P"], launch_metadata=launch_signature)
 def _moe_gate_up_kernel(
     X, IDS, W13, S13, ACT, ACT_SCALE,
@@ -217,13 +230,22 @@ def _moe_gate_up_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
     WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False,
+    PART=None, CNT=None, SPLIT: tl.constexpr = 1, DROP_SPLIT: tl.constexpr = False,
 ):
-    """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
-    nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
-    a program with an expert group)."""
+    """``SPLIT`` > 1 (keyword ``gu_split_k``): program (g, nb, s) reduces the s-th of SPLIT equal shares
+    of the K loop into an FP32 partial (``PART`` [groups, NB, SPLIT, 2, BLOCK_M, BLOCK_N]); the last of
+    the SPLIT programs of (g, nb) to arrive (``CNT`` per block: release / acquire, re-zeroed after)
+    sums them in the order s = 0..SPLIT-1 (deterministic) and finishes as SPLIT = 1 does. Shorter
+    programs, so the hardware spreads the weight bytes over the SMs more evenly (session 21's
+    timeline: an SM's rate grows with the programs it holds, and the call ends with the SMs that
+    hold three). ``DROP_SPLIT`` (negative control) leaves the last share out of the sum.
+    ``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb, s) stamps record (g * grid(1)
+    + nb) * SPLIT + s of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end;
+    field 4 = 1 for a program with an expert group)."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
-    prog = g * tl.num_programs(1) + nb
+    ks = tl.program_id(2)
+    prog = (g * tl.num_programs(1) + nb) * SPLIT + ks
     _stamp(TL, prog, 1, TIMELINE)
     if WAIT:   # launched as a programmatic dependent of the router: its ids (and the norm's x) from here
         gdc_wait()
@@ -248,7 +270,15 @@ def _moe_gate_up_kernel(
         x_ptr = X + tok[:, None] * stride_xm
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k00 in range(0, H, BLOCK_K * UNROLL):   # UNROLL K steps per iteration (same products, same order)
+        STEP: tl.constexpr = BLOCK_K * UNROLL
+        if SPLIT == 1:
+            k_lo = 0
+            k_hi = H
+        else:   # this program's share of the K iterations
+            PER: tl.constexpr = ((H + STEP - 1) // STEP + SPLIT - 1) // SPLIT * STEP
+            k_lo = ks * PER
+            k_hi = tl.minimum(k_lo + PER, H)
+        for k00 in range(k_lo, k_hi, STEP):   # UNROLL K steps per iteration (same products, same order)
             for u in tl.static_range(UNROLL):
                 k0 = k00 + u * BLOCK_K
                 kk = k0 + offs_k
@@ -264,10 +294,26 @@ def _moe_gate_up_kernel(
                 x = x.to(op_ty)
                 acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
                 acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
-        ok = row_ok[:, None] & n_ok[None, :]
-        bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
-        tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
-        tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
+        if SPLIT == 1:
+            _gu_finish(acc_g, acc_u, ACT, ACT_SCALE, pair, row_ok, n_ok, offs_n, nb, stride_am, stride_asm)
+        else:
+            tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            blk = g * tl.num_programs(1) + nb
+            TILE2: tl.constexpr = 2 * BLOCK_M * BLOCK_N
+            slot = PART + (blk * SPLIT + ks).to(tl.int64) * TILE2
+            tl.store(slot + tile, acc_g)
+            tl.store(slot + BLOCK_M * BLOCK_N + tile, acc_u)
+            tl.debug_barrier()   # every thread's partial precedes the one release
+            arrived = tl.atomic_add(CNT + blk, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:   # the last share: all partials visible
+                hg = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                hu = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLIT - DROP_SPLIT):   # share order: deterministic
+                    src = PART + (blk * SPLIT + s).to(tl.int64) * TILE2
+                    hg += tl.load(src + tile, cache_modifier=".cg")
+                    hu += tl.load(src + BLOCK_M * BLOCK_N + tile, cache_modifier=".cg")
+                _gu_finish(hg, hu, ACT, ACT_SCALE, pair, row_ok, n_ok, offs_n, nb, stride_am, stride_asm)
+                tl.atomic_xchg(CNT + blk, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
         if TIMELINE:
             tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
     _stamp(TL, prog, 3, TIMELINE)
@@ -606,11 +652,33 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     return w, H, E, I, topk_ids.shape[1]
 
 
+def _gu_counters(device, n):
+    """The split Gate/Up's per-block arrival counters: one int32 zero buffer per device, cached on this
+    function and left zero by every call (calls are stream-ordered: a Gate/Up completes before the next
+    one starts). Created on the first call, which must not be inside a CUDA-graph capture."""
+    cache = _gu_counters.__dict__.setdefault("cache", {})
+    key = (device.type, device.index if device.index is not None else
+           (torch.cuda.current_device() if device.type == "cuda" else -1))
+    buf = cache.get(key)
+    if buf is None or buf.numel() < n:
+        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
+              "gu_split_k: first call inside a CUDA-graph capture; call the MoE once eagerly first")
+        buf = cache[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
-                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None):
-    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``tl_buf``: timeline records (diagnostics)."""
-    grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
+                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
+                    split=1, drop_split=False):
+    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``split``: K shares per column block
+    (``gu_split_k``); ``tl_buf``: timeline records (diagnostics)."""
+    grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n), split)
     H = x.shape[1]
+    part = cnt = None
+    if split > 1:
+        cnt = _gu_counters(x.device, grid[0] * grid[1])
+        part = torch.empty((grid[0] * grid[1] * split, 2, GU_BLOCK_M, block_n), device=x.device,
+                           dtype=torch.float32)
     _moe_gate_up_kernel[grid](
         x, ids, w13, s13, act.view(torch.uint8), act_scale,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
@@ -621,6 +689,8 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
         UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
         TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
+        PART=act_scale if part is None else part, CNT=act_scale if cnt is None else cnt, SPLIT=split,
+        DROP_SPLIT=bool(drop_split),
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
     )
@@ -716,11 +786,12 @@ def _launch_down_v2(act, act_scale, ids, tw, groups, w2, s2, dpart, cnt, out, *,
     )
 
 
-def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None):
+def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None, gu_split_k=None):
     """(Gate/Up, wide Down, reduce) program counts of a v1 call: the ``_timeline`` records' layout."""
     P = w * topk
     nb = down_nb or DOWN_NB
-    return (min(P, E) * triton.cdiv(I, GU_BLOCK_N), min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb),
+    return (min(P, E) * triton.cdiv(I, GU_BLOCK_N) * (gu_split_k or GU_SPLIT_K),
+            min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb),
             w * triton.cdiv(H, red_block_h or RED_BLOCK_H))
 
 
@@ -755,7 +826,9 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         out = torch.empty((w, H), device=dev, dtype=torch.bfloat16)
     check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
     if variant == "v1":
-        check(not _drop_split, "_drop_split is a v2 control")
+        gsplit = int(gu_split_k or GU_SPLIT_K)
+        check(gsplit >= 1, "gu_split_k >= 1")
+        check(not _drop_split or gsplit > 1, "_drop_split: a control of v2, or of v1 with gu_split_k > 1")
         # the wide Down holds the whole expert width (I <= 256, a q1 shard under TP >= 8) in one
         # program; wider experts (unsharded q1) keep one column block per program by default
         nb = int(down_nb or (DOWN_NB if I <= 256 else 1))
@@ -769,7 +842,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
             check(next_pow2(H) <= 32768, "norm: H <= 32768")
         # _timeline (diagnostics: experiments/timeline_moe.py): int64 [timeline_programs(...),
         # TIMELINE_FIELDS] records of the Gate/Up, then the wide Down's, then the reduce's programs
-        n_gu = min(P, E) * triton.cdiv(I, bn)
+        n_gu = min(P, E) * triton.cdiv(I, bn) * gsplit
         n_dn = min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb)
         if _timeline is not None:
             check(nb > 1 and _timeline.dtype == torch.int64 and _timeline.is_contiguous()
@@ -786,7 +859,8 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
-                                                no_wait=_gu_no_wait, tl_buf=_timeline)),
+                                                no_wait=_gu_no_wait, tl_buf=_timeline, split=gsplit,
+                                                drop_split=_drop_split)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
@@ -840,7 +914,9 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     ``down_split_e`` (DOWN2_SPLIT_E), ``counters`` (a persistent int32 zero buffer of
     ``counters_size(...)`` entries, left zero by each call; otherwise one is zeroed per call),
     ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
-    v1 options: ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
+    v1 options: ``gu_split_k`` (K shares per Gate/Up column block, summed by the last program of the
+    block to arrive; default GU_SPLIT_K = 1; ``_drop_split`` its negative control);
+    ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
     pipelined wide Down kernel); ``gu_f16`` / ``down_f16`` (FP16 instead of BF16 operands in Gate/Up /
     in the wide Down; defaults GU_F16 / DOWN_F16); ``gu_block_n`` (Gate/Up columns per program, also
     the activation-scale block; default GU_BLOCK_N); ``pdl`` (programmatic dependent launch of the

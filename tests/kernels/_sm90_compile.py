@@ -158,6 +158,9 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                                 gu_num_stages=st)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
+            for sk in (2, 4):                                   # Gate/Up in K shares
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_split_k=sk,
+                                _drop_split=bug, pdl=True)
             for first in (True, False):                         # + add + norm (its weight before the wait)
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, pdl=True, _norm_bug=bug,
                                 norm=(x.clone(), torch.ones(H).to(bf), 1e-6, torch.zeros(8, dtype=torch.int32)),

@@ -321,6 +321,20 @@ def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16):
     assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
+def test_q1_shard_gate_up_split_k(w, kind, split):
+    """v1 Gate/Up in K shares (gu_split_k: the last program of a column block sums the shares, in
+    order); the negative control leaves the last share out. Same routing twice: deterministic."""
+    M = load_kernels("moe")
+    errs = run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), gu_split_k=split)
+    assert _ok(errs), errs
+    assert run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), gu_split_k=split) == errs
+    assert _rejected(run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), gu_split_k=split,
+                              _drop_split=True))
+
+
 def _timeline_case(M, no_wait=False):
     """One q1-shard call with per-program records (``_timeline``) and one without: (records [n, 6]
     on the CPU, program counts, the two outputs)."""
@@ -426,6 +440,24 @@ def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16):
     M = load_kernels("moe")
     assert down_case(M, MINI, w, kind, seed=w, nb=nb, f16=f16) < TOL_DOWN[f16]
     assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, scale_bug=True) > TOL_EMU
+
+
+# 4 / 6 loop iterations (of 256 H columns) per column block: 2, 4 or 3 shares, none empty
+MINI_K4 = dict(H=1024, I=128, E=16)
+MINI_K6 = dict(H=1536, I=128, E=16)
+
+
+@cpu_only
+@pytest.mark.parametrize("split,shape,w,kind", [(2, MINI_K4, 6, "shared"), (4, MINI_K4, 3, "random"),
+                                                (3, MINI_K6, 8, "same")])
+def test_interp_gate_up_split_k(split, shape, w, kind):
+    """gu_split_k on the interpreter: within tolerance, counters left at zero; the last share left
+    out (_drop_split) is caught."""
+    M = load_kernels("moe")
+    kw = dict(gu_split_k=split, down_nb=2)
+    assert _ok(run_case(M, shape, w, kind, seed=w, **kw))
+    assert int(M._gu_counters.cache[("cpu", -1)].abs().sum()) == 0
+    assert _rejected(run_case(M, shape, w, kind, seed=w, _drop_split=True, **kw))
 
 
 @cpu_only
