@@ -34,6 +34,22 @@ def device_sm_count(device: torch.device, cpu_default: int = 4) -> int:
     return _sm_count(index)
 
 
+def cached_counters(cache: dict, device: torch.device, n: int, what: str, min_size: int = 16) -> torch.Tensor:
+    """An int32 zero buffer of at least ``n`` entries for ``device``, kept in ``cache`` (a dict owned by
+    the caller's function, so two imported copies of this package keep separate buffers). Kernels
+    that take tickets on it re-zero what they use, so stream-ordered calls, graph replays included,
+    share one buffer. It is created (torch.zeros) on first use, which must not be inside a CUDA-graph
+    capture; ``what`` names the caller in that error."""
+    key = (device.type, device.index if device.index is not None else
+           (torch.cuda.current_device() if device.type == "cuda" else -1))
+    buf = cache.get(key)
+    if buf is None or buf.numel() < n:
+        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
+              f"{what}: first call inside a CUDA-graph capture; call it once eagerly first")
+        buf = cache[key] = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
+    return buf
+
+
 def check(cond: bool, msg: str) -> None:
     """Host-side argument check (shapes, dtypes, devices only: never a device value)."""
     if not cond:

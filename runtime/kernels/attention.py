@@ -62,7 +62,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
-from ._common import check, compiled_cuda, device_sm_count, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from ._common import (cached_counters, check, compiled_cuda, device_sm_count, launch_signature, next_pow2,
+                      pdl_supported, prefetch_l2)
 
 # Keys per inner-loop iteration. K and V tiles of 64 x 128 BF16 are 16 KiB each, so one pipeline
 # stage is 32 KiB; with NUM_STAGES = 3 and the Q tile the program fits in shared memory while the
@@ -628,17 +629,8 @@ def _fused_counters(device, nkv, workspace):
               and workspace.numel() >= 2 * nkv and workspace.is_contiguous(),
               "workspace: contiguous int32 on the device of q, >= 2 * nkv elements, zeroed")
         return workspace
-    cache = _fused_counters.__dict__.setdefault("cache", {})
-    key = (device.type, device.index if device.index is not None else
-           (torch.cuda.current_device() if device.type == "cuda" else -1))
-    buf = cache.get(key)
-    if buf is None or buf.numel() < 2 * nkv:
-        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
-              "fused attention: first call inside a CUDA-graph capture; call it once eagerly first "
-              "or pass workspace=torch.zeros(2 * nkv, dtype=torch.int32)")
-        buf = torch.zeros(max(2 * nkv, 16), dtype=torch.int32, device=device)
-        cache[key] = buf
-    return buf
+    return cached_counters(_fused_counters.__dict__.setdefault("cache", {}), device, 2 * nkv,
+                           "fused attention (or pass workspace=torch.zeros(2 * nkv, dtype=torch.int32))")
 
 
 def _kv_descriptors(k, v, block_n):

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from ._common import cached_counters, check, launch_signature, next_pow2, pdl_supported, prefetch_l2
 from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp
 from . import norm as _norm
 from .norm import load_weight, rms_scale
@@ -653,18 +653,9 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 
 def _gu_counters(device, n):
-    """The split Gate/Up's per-block arrival counters: one int32 zero buffer per device, cached on this
-    function and left zero by every call (calls are stream-ordered: a Gate/Up completes before the next
-    one starts). Created on the first call, which must not be inside a CUDA-graph capture."""
-    cache = _gu_counters.__dict__.setdefault("cache", {})
-    key = (device.type, device.index if device.index is not None else
-           (torch.cuda.current_device() if device.type == "cuda" else -1))
-    buf = cache.get(key)
-    if buf is None or buf.numel() < n:
-        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
-              "gu_split_k: first call inside a CUDA-graph capture; call the MoE once eagerly first")
-        buf = cache[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
+    """The split Gate/Up's per-block arrival counters (``_common.cached_counters``; a Gate/Up completes
+    before the next one starts, so calls share them)."""
+    return cached_counters(_gu_counters.__dict__.setdefault("cache", {}), device, n, "gu_split_k", 1024)
 
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
