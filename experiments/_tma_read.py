@@ -97,13 +97,19 @@ if gluon is not None:
                                   is_pure=False, pack=1)
         pid = gl.program_id(0)
         _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES)
-        D: gl.constexpr = k_desc.block_type.shape[1]
-        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+        _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1)
+
+    @gluon.jit
+    def _store_partial(ACC, ML, pid, D: gl.constexpr, BLOCK_M: gl.constexpr, VALUE: gl.constexpr,
+                       WARPS: gl.constexpr):
+        """Program pid's partial in the split kernels' layout: acc = VALUE, m = 0, l = 1."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
         rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
         for r0 in gl.static_range(0, BLOCK_M, 16):
-            gl.store(ACC + (pid * BLOCK_M + r0 + rows)[:, None] * D + cols[None, :], gl.zeros([16, D], gl.float32, lay))
-        lay1: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+            gl.store(ACC + (pid * BLOCK_M + r0 + rows)[:, None] * D + cols[None, :],
+                     gl.full([16, D], VALUE, gl.float32, lay))
+        lay1: gl.constexpr = gl.BlockedLayout([2], [32], [WARPS], [0])
         i = gl.arange(0, BLOCK_M, layout=lay1)
         gl.store(ML + pid * 2 * BLOCK_M + i, gl.zeros([BLOCK_M], gl.float32, lay1))
         gl.store(ML + pid * 2 * BLOCK_M + BLOCK_M + i, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
@@ -121,16 +127,7 @@ if gluon is not None:
         pid = gl.program_id(0)
         _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES)
         D: gl.constexpr = k_desc.block_type.shape[1]
-        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
-        for r0 in gl.static_range(0, BLOCK_M, 16):   # (ones: a complete merge gives exactly 1)
-            gl.store(ACC + (pid * BLOCK_M + r0 + rows)[:, None] * D + cols[None, :],
-                     gl.full([16, D], 1.0, gl.float32, lay))
-        lay1: gl.constexpr = gl.BlockedLayout([2], [32], [num_warps], [0])
-        i = gl.arange(0, BLOCK_M, layout=lay1)
-        gl.store(ML + pid * 2 * BLOCK_M + i, gl.zeros([BLOCK_M], gl.float32, lay1))
-        gl.store(ML + pid * 2 * BLOCK_M + BLOCK_M + i, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
+        _store_partial(ACC, ML, pid, D, BLOCK_M, 1.0, num_warps)   # (ones: a complete merge gives exactly 1)
         gl.thread_barrier()
         gl.atomic_add(CNT, 1, sem="release", scope="gpu")
         arrived = gl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
@@ -223,12 +220,8 @@ def calls(name: str, data) -> list | None:
 def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
     """One ``tmasb`` call: stream, partials, grid-wide arrival and the merge, in one launch (plain: a
     programmatic dependent could start before the previous call's programs leave their SMs)."""
-    from runtime.kernels import attention as A
-
     w, nh, d = q.shape
-    block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * nh))
-    acc = torch.empty((grid, block_m, d), device=q.device, dtype=torch.float32)
-    ml = torch.empty((grid, 2, block_m), device=q.device, dtype=torch.float32)
+    block_m, acc, ml = _partials(q, grid)
     out = torch.empty((w * nh, d), device=q.device, dtype=torch.float32)
     cnt = torch.zeros(2, device=q.device, dtype=torch.int32)
 
@@ -240,14 +233,23 @@ def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
     return call
 
 
-def _merge_call(kd, vd, q, sp, out, grid, bn, stages):
-    """One ``tmasm`` call: the stream with its partials, then the attention's combine over them."""
+def _partials(q, grid):
+    """(block_m, acc [1, grid, block_m, d], ml [1, grid, 2, block_m]): the split kernels' partial
+    buffers for one KV head and ``grid`` programs."""
     from runtime.kernels import attention as A
 
     w, nh, d = q.shape
     block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * nh))
-    acc = torch.empty((1, grid, block_m, d), device=q.device, dtype=torch.float32)
-    ml = torch.empty((1, grid, 2, block_m), device=q.device, dtype=torch.float32)
+    return (block_m, torch.empty((1, grid, block_m, d), device=q.device, dtype=torch.float32),
+            torch.empty((1, grid, 2, block_m), device=q.device, dtype=torch.float32))
+
+
+def _merge_call(kd, vd, q, sp, out, grid, bn, stages):
+    """One ``tmasm`` call: the stream with its partials, then the attention's combine over them."""
+    from runtime.kernels import attention as A
+
+    w = q.shape[0]
+    block_m, acc, ml = _partials(q, grid)
 
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
