@@ -226,6 +226,16 @@ def _model_variant(rnd: Round, **attrs) -> None:
     rnd.model = m
 
 
+def _moe_opts(rnd: Round, **kw) -> None:
+    """rnd's model with the MoE kernel called with keywords ``kw`` on top of its moe_options."""
+    _model_variant(rnd, _moe_options={**rnd.model._moe_options, **kw})
+
+
+def _attn_opts(rnd: Round, **kw) -> None:
+    """rnd's model with the attention kernels called with keywords ``kw`` on top of its attention_options."""
+    _model_variant(rnd, _attn_options={**rnd.model._attn_options, **kw})
+
+
 def _skinny(rnd: Round, **kw) -> None:
     """rnd's model with its projections on skinny_linear called with keywords ``kw``."""
     m = rnd.model
@@ -291,17 +301,13 @@ AB_VARIANTS = {
     "norm_weight_after": lambda rnd: _model_variant(rnd, norm_weight_first=False),
     # short attention splits reading their first K/V block after the wait for rope_kv_write (the way
     # before session 17) instead of before it when the block lies below start_pos (kv_before_wait)
-    "attn_kv_after_wait": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
-                                                                         "kv_before_wait": False}),
+    "attn_kv_after_wait": lambda rnd: _attn_opts(rnd, kv_before_wait=False),
     # the attention combine releases the output projection at its start (attention option release_next)
-    "release_next": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
-                                                                     "release_next": True}),
+    "release_next": lambda rnd: _attn_opts(rnd, release_next=True),
     # attention splits of at most N key blocks (every split of a 4K ring or an 8K cache has one)
     # request their first block's K and V before Q and take the masked path (kv_first; session 16,
     # default 1); attn_kv_first0 is the way before it
-    "attn_kv_first1": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options, "kv_first": 1}),
-    "attn_kv_first2": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options, "kv_first": 2}),
-    "attn_kv_first0": lambda rnd: _model_variant(rnd, _attn_options={**rnd.model._attn_options, "kv_first": 0}),
+    **{f"attn_kv_first{n}": (lambda rnd, n=n: _attn_opts(rnd, kv_first=n)) for n in (1, 2, 0)},
     # the pass's glue in torch: RoPE tables (eight launches per pass), ring slots, the embedding gather
     # as torch launches, norms with a zero residual tensor (FastModel.fused_glue off; it also turns the
     # one-launch draft update off)
@@ -324,33 +330,25 @@ AB_VARIANTS = {
     **{f"router_sh{n}": (lambda rnd, n=n: _router(rnd, split_h=n)) for n in (2, 4, 8, 12, 16, 24, 48)},
     # the MoE's Gate/Up with 3 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
     # moe.DOWN_WIDE_NUM_STAGES)
-    **{f"moe_gu_st{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
-                                                                           "gu_num_stages": n})) for n in (3, 5)},
-    "moe_down_st4": lambda rnd: _model_variant(rnd, _moe_options={**rnd.model._moe_options, "down_num_stages": 4}),
+    **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 5)},
+    "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 6 / 12 column blocks
     # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB)
-    **{f"moe_red{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
-                                                                         "red_block_h": n})) for n in (128, 512)},
-    **{f"moe_dnb{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
-                                                                         "down_nb": n})) for n in (4, 6, 12)},
+    **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},
+    **{f"moe_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, down_nb=n)) for n in (4, 6, 12)},
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
-    **{f"attn_ns{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
-                                                                          "num_splits": n})) for n in (66, 264)},
-    # the attention combine with 1 / 4 / 8 warps (default attention.COMBINE_NUM_WARPS)
+    **{f"attn_ns{n}": (lambda rnd, n=n: _attn_opts(rnd, num_splits=n)) for n in (66, 264)},
     # the MoE's Gate/Up in N K shares per column block (moe.py gu_split_k; session 21, not yet measured)
-    **{f"moe_gu_split{n}": (lambda rnd, n=n: _model_variant(rnd, _moe_options={**rnd.model._moe_options,
-                                                                               "gu_split_k": n}))
-       for n in (2, 3, 4, 6)},
+    **{f"moe_gu_split{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_split_k=n)) for n in (2, 3, 4, 6)},
     # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):
     # bench_kernels (session 21, call 3) timed 32 keys x 6 stages faster at 4K (full and ring), 16K and
     # 192K, slower at 64K w = 4 / 6; kv_first 2: an 8K split's two 32-key blocks on the short path
     **{f"attn_bn{bn}_st{st}{'_kf2' if kf else ''}": (
-        lambda rnd, bn=bn, st=st, kf=kf: _model_variant(rnd, _attn_options={
-            **rnd.model._attn_options, "block_n": bn, "num_stages": st, **({"kv_first": 2} if kf else {})}))
+        lambda rnd, bn=bn, st=st, kf=kf: _attn_opts(rnd, block_n=bn, num_stages=st, **({"kv_first": 2} if kf else {})))
        for bn, st, kf in ((32, 6, False), (32, 4, False), (32, 8, False), (32, 6, True), (64, 6, False),
                           (64, 3, False))},
-    **{f"attn_cw{n}": (lambda rnd, n=n: _model_variant(rnd, _attn_options={**rnd.model._attn_options,
-                                                                          "combine_num_warps": n})) for n in (1, 4, 8)},
+    # the attention combine with 1 / 4 / 8 warps (default attention.COMBINE_NUM_WARPS)
+    **{f"attn_cw{n}": (lambda rnd, n=n: _attn_opts(rnd, combine_num_warps=n)) for n in (1, 4, 8)},
     # lin_q{Q/K/V}_o{output}: see LINEAR_VARIANTS
     **{name: (lambda rnd, q=q, o=o: _skinny_by(rnd, _lin(q), _lin(o))) for name, (q, o) in LINEAR_VARIANTS.items()},
 }
