@@ -16,8 +16,9 @@ program (the call boundary):
     reduce:  first entry, last wait, last end (= the call's period).
 
 It also times the same graph without records (the stamps' cost) and prints the DRAM-side reading:
-the bytes of the distinct experts over the time between the Gate/Up's first wait and the Down's
-last end, against the copy bandwidth. Prints a table; $OUT/timeline_moe.json / .csv hold the
+the bytes of the distinct experts over the time between the Gate/Up's last wait and the Down's
+last end, against the copy bandwidth; and per SM, by how many Gate/Up programs it held, when its last
+one ended (after the call's first Gate/Up wait) and the SM's rate. Prints a table; $OUT/timeline_moe.json / .csv hold the
 summaries and the raw records of every call (per program: SM, entry, wait, end in ns after the
 first call's first entry, has-work flag), from which per-SM loads can be read.
 """
@@ -109,6 +110,21 @@ def main():
     print(f"  programs with a group: Gate/Up {med['gu_active']:.0f} of {n_gu}, Down {med['dn_active']:.0f} of {n_dn}")
     print(f"  weights over [last Gate/Up wait, last Down end] = {stream:.2f} us: "
           f"{row['weights_frac_wait_to_down_end']:.3f} of copy bandwidth")
+    # per SM: Gate/Up programs held, the SM's last end after the call's first wait, its rate
+    per_sm = {}
+    for r in recs[1:]:
+        gu = r[:n_gu][r[:n_gu, 4] == 1]
+        t0 = int(gu[:, 2].min())
+        for sm in gu[:, 0].unique().tolist():
+            mine = gu[gu[:, 0] == sm]
+            per_sm.setdefault(mine.shape[0], []).append((int(mine[:, 3].max()) - t0) * 1e-3)
+    gu_prog_bytes = nbytes["gate_up"] / max(1, med["gu_active"])
+    print("  Gate/Up per SM: programs, SMs per call, last end (median, min-max), SM rate")
+    for k in sorted(per_sm):
+        v = per_sm[k]
+        print(f"    {k}  {len(v) / (len(recs) - 1):5.1f}  {statistics.median(v):6.2f} us ({min(v):.2f}-{max(v):.2f})"
+              f"  {k * gu_prog_bytes / (statistics.median(v) * 1e-6) / 1e9:5.1f} GB/s")
+    row["per_sm_last_end_us"] = {k: statistics.median(v) for k, v in per_sm.items()}
     base = min(int(r[:, 1][r[:, 1] > 0].min()) for r in recs)
     # per program: SM, entry, wait, end (ns after the first entry; -1: not stamped), has work
     raw = [torch.cat([r[:, :1], torch.where(r[:, 1:4] > 0, r[:, 1:4] - base, -1), r[:, 4:5]], 1).tolist()
