@@ -322,17 +322,18 @@ def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("programs", [396, 264, 37, 1000])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
-def test_q1_shard_gate_up_split_k(w, kind, split):
-    """v1 Gate/Up in K shares (gu_split_k: the last program of a column block sums the shares, in
-    order); the negative control leaves the last share out. Same routing twice: deterministic."""
+def test_q1_shard_gate_up_stream_k(w, kind, programs):
+    """The stream-K Gate/Up (gu_stream_k): blocks shared by two or more programs are summed by their
+    last contributor, in program order (so the same routing twice gives the same bits); 1,000
+    programs leave some without work. Negative control: the first contributor's partial left out."""
     M = load_kernels("moe")
-    errs = run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), gu_split_k=split)
+    kw = dict(gu_stream_k=True, gu_programs=programs)
+    errs = run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), **kw)
     assert _ok(errs), errs
-    assert run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), gu_split_k=split) == errs
-    assert _rejected(run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), gu_split_k=split,
-                              _drop_split=True))
+    assert run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), **kw) == errs
+    assert _rejected(run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), _drop_split=True, **kw))
 
 
 def _timeline_case(M, no_wait=False):
@@ -442,19 +443,20 @@ def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16):
     assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, scale_bug=True) > TOL_EMU
 
 
-# 4 / 6 loop iterations (of 256 H columns) per column block: 2, 4 or 3 shares, none empty
+# 4 / 6 loop iterations (of 256 H columns) per column block, so a program's range starts and ends
+# inside blocks, and a block can span three programs
 MINI_K4 = dict(H=1024, I=128, E=16)
 MINI_K6 = dict(H=1536, I=128, E=16)
 
 
 @cpu_only
-@pytest.mark.parametrize("split,shape,w,kind", [(2, MINI_K4, 6, "shared"), (4, MINI_K4, 3, "random"),
-                                                (3, MINI_K6, 8, "same")])
-def test_interp_gate_up_split_k(split, shape, w, kind):
-    """gu_split_k on the interpreter: within tolerance, counters left at zero; the last share left
-    out (_drop_split) is caught."""
+@pytest.mark.parametrize("programs,shape,w,kind", [(7, MINI_K4, 6, "shared"), (5, MINI_K4, 3, "random"),
+                                                   (23, MINI_K6, 8, "same"), (200, MINI_K4, 2, "random")])
+def test_interp_gate_up_stream_k(programs, shape, w, kind):
+    """gu_stream_k on the interpreter: within tolerance, counters left at zero (200 programs: more
+    than the work's units, the surplus idle); the first contributor's partial left out is caught."""
     M = load_kernels("moe")
-    kw = dict(gu_split_k=split, down_nb=2)
+    kw = dict(gu_stream_k=True, gu_programs=programs, down_nb=2)
     assert _ok(run_case(M, shape, w, kind, seed=w, **kw))
     assert int(M._gu_counters.cache[("cpu", -1)].abs().sum()) == 0
     assert _rejected(run_case(M, shape, w, kind, seed=w, _drop_split=True, **kw))
