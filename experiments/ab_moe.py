@@ -27,8 +27,6 @@ import torch  # noqa: E402
 from bench_kernels import MOE, moe_bytes, moe_data, moe_sets  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
 
-SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
-
 CONFIGS = {
     "default": {},
     "default_again": {},
@@ -44,10 +42,6 @@ CONFIGS = {
     "gu_unroll1": dict(gu_unroll=1),
     # Gate/Up, Down and reduce launched plainly (no programmatic dependent launch)
     "no_pdl": dict(pdl=False),
-    # the stream-K Gate/Up (gu_stream_k, session 22), N programs per SM (default GU_SK_PER_SM = 3)
-    "gu_sk": dict(gu_stream_k=True),
-    **{f"gu_sk{n}": dict(gu_stream_k=True, gu_programs=n * SMS) for n in (2, 4)},
-    "gu_sk_st3": dict(gu_stream_k=True, gu_num_stages=3),
 }
 
 

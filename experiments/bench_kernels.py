@@ -375,8 +375,6 @@ def bench_moe(copy_bw, l2, sweep):
                      for rb, tag, kw in [(128, "", {}), (512, "", {}), (256, "_nb4", dict(down_nb=4)),
                                          (256, "_nb6", dict(down_nb=6)), (256, "_pf0", dict(down_prefetch=0)),
                                          (256, "_gu3", dict(gu_num_stages=3))]]
-        # session 22: the v1 Gate/Up balanced over a fixed grid (gu_stream_k)
-        variants += [("v1_gu_sk", dict(variant="v1", gu_stream_k=True))]
         if sweep and distinct == MOE["realistic"]:
             variants += [("v1_f16_nb12", dict(variant="v1", down_nb=12)),
                          ("v1_f16_nb16_st4", dict(variant="v1", down_nb=16, down_num_stages=4)),

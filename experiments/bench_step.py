@@ -338,9 +338,6 @@ AB_VARIANTS = {
     **{f"moe_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, down_nb=n)) for n in (4, 6, 12)},
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
     **{f"attn_ns{n}": (lambda rnd, n=n: _attn_opts(rnd, num_splits=n)) for n in (66, 264)},
-    # the MoE's Gate/Up balanced over a fixed grid (moe.py gu_stream_k; session 22)
-    "moe_sk": lambda rnd: _moe_opts(rnd, gu_stream_k=True),
-    "moe_sk_st3": lambda rnd: _moe_opts(rnd, gu_stream_k=True, gu_num_stages=3),
     # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):
     # bench_kernels (session 21, call 3) timed 32 keys x 6 stages faster at 4K (full and ring), 16K and
     # 192K, slower at 64K w = 4 / 6; kv_first 2: an 8K split's two 32-key blocks on the short path

@@ -1,6 +1,6 @@
 """Where the time of one fused MoE call goes: per-program timelines inside a CUDA graph.
 
-    OUT=... python3 experiments/timeline_moe.py [--distinct 38] [--w 6] [--sets 6] [--gu-stream-k] [--dry-run]
+    OUT=... python3 experiments/timeline_moe.py [--distinct 38] [--w 6] [--sets 6] [--dry-run]
 
 Every program of the v1 MoE's three launches (Gate/Up, the wide Down, the reduce) records (SM,
 t_entry, t_wait, t_end) from the GPU's global timer (``moe_plan(_timeline=)``: t_wait is after
@@ -36,7 +36,6 @@ import torch  # noqa: E402
 
 from bench_kernels import MOE, graph_time, moe_bytes, moe_data, moe_sets  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
-from runtime.kernels._common import device_sm_count  # noqa: E402
 from runtime.kernels.attention import TIMELINE_FIELDS  # noqa: E402
 
 
@@ -75,17 +74,14 @@ def main():
     ap.add_argument("--distinct", type=int, default=MOE["realistic"], help="distinct experts per call")
     ap.add_argument("--w", type=int, default=MOE["w"])
     ap.add_argument("--sets", type=int, default=6, help="rotating weight sets = calls per graph")
-    ap.add_argument("--gu-stream-k", action="store_true",
-                    help="the Gate/Up balanced over a fixed grid (moe gu_stream_k)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
     H, I, E, w = MOE["H"], MOE["I"], MOE["E"], args.w
     copy_bw = copy_bandwidth()[0]
     weights = moe_sets(args.sets)
     data = moe_data(weights, w, args.distinct)
-    kw = dict(gu_stream_k=args.gu_stream_k)
-    n_gu, n_dn, n_red = M.timeline_programs(
-        w, H, I, E, gu_programs=M.GU_SK_PER_SM * device_sm_count(torch.device(DEV)) if args.gu_stream_k else None)
+    kw = {}
+    n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E)
     bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
     mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
         x, ids, tw, *wt, o, _timeline=b if rec else None, **kw)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
@@ -103,7 +99,7 @@ def main():
         per.append(phases(recs[c], n_gu, n_dn, prev_end))
     med = {k: statistics.median(p[k] for p in per) for k in per[0]}
     stream = med["dn_end_last"] - med["gu_wait_last"]
-    row = dict(w=w, distinct=args.distinct, gu_stream_k=args.gu_stream_k, graph_us=t_plain * 1e6, graph_rec_us=t_rec * 1e6,
+    row = dict(w=w, distinct=args.distinct, graph_us=t_plain * 1e6, graph_rec_us=t_rec * 1e6,
                frac=nbytes["call"] / t_plain / copy_bw, copy_Bps=copy_bw,
                weights_frac_wait_to_down_end=(nbytes["gate_up"] + nbytes["down"]) / (stream * 1e-6) / copy_bw, **med)
     print("\nus after the previous call's last reduce end (medians over calls):")

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import cached_counters, check, compiled_cuda, device_sm_count, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
 from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp
 from . import norm as _norm
 from .norm import load_weight, rms_scale
@@ -76,16 +76,10 @@ GU_NUM_WARPS = 4
 # kernel is issue-latency bound). Session 13, H200, same run: MoE 64.48 -> 62.30 us (38 experts),
 # 85.88 -> 79.29 us (48) with 4 stages; 3 stages 63.02 / 84.10, 2 stages 66.85 / 82.56.
 GU_UNROLL = 2
-# v1 Gate/Up balanced over a fixed grid (stream-K, ``_moe_gate_up_sk_kernel``; keywords gu_stream_k /
-# gu_programs, default GU_SK_PER_SM programs per SM): every program streams the same weight bytes
-# (+- one loop iteration) whatever the number of distinct experts. Session 21's timeline of the
-# one-program-per-block grid: 304 programs for 38 experts in 396 slots, the call ending with the SMs
-# that hold three. Session 22 measured K shares per block instead (gu_split_k 2 / 3 / 4 / 6:
-# 1.11 / 1.15 / 1.22 / 1.38x the MoE's time, removed; patch in experiments/results/kernels_s22/rejected).
-GU_STREAM_K = False
-GU_SK_PER_SM = 3
-# its register cap: three programs per SM need <= 168 (sm_90 compile: 178 uncapped, 8 bytes of stack at 168)
-GU_SK_MAXNREG = 168
+# Two ways of balancing the Gate/Up's bytes over the SMs were built and measured slower (session 22,
+# experiments/notes/kernels.md; patches in experiments/results/kernels_s22/rejected/): K shares per
+# column block summed by the last to arrive (MoE 1.11-1.38x) and a stream-K grid of three programs per
+# SM (MoE 1.07-1.09x, the q1 step 1.13x).
 # FP16 tensor-core operands in v1 Gate/Up (keyword gu_f16): E4M3 -> FP16 is one packed conversion
 # per two weights, E4M3 -> BF16 several; x is converted to FP16 per tile (post-norm hidden states lie
 # within +-65504). H200, 38 experts: Gate/Up 62.9 -> 42.7 us (experiments/notes/kernels.md).
@@ -151,10 +145,8 @@ def _interpreting():
 
 
 @triton.jit
-def _group_tables(IDS, P, BLOCK_P: tl.constexpr):
-    """The routing's expert groups, computed once per program: per pair p (BLOCK_P, masked by p < P)
-    its expert e_p, its rank among its expert's pairs, whether it is the expert's first pair, the
-    number of distinct experts smaller than e_p (its group), and the number of groups."""
+def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Group g of the (row, expert) pairs: (expert, number of groups, member pairs [BLOCK_M], mask)."""
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < P
     e_p = tl.load(IDS + offs_p, mask=p_ok, other=-1)
@@ -168,48 +160,12 @@ def _group_tables(IDS, P, BLOCK_P: tl.constexpr):
     smaller = first_q[None, :] & (e_q[None, :] < e_p[:, None])
     grp = tl.sum(smaller.to(tl.int32), 1)                    # distinct experts smaller than e_p
     n_groups = tl.sum(first.to(tl.int32), 0)
-    return e_p, rank, first, grp, p_ok, n_groups
-
-
-@triton.jit
-def _group_members(e_p, rank, first, grp, p_ok, g, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Group g from ``_group_tables``: (expert, member pairs [BLOCK_M], mask)."""
-    offs_p = tl.arange(0, BLOCK_P)
     expert = tl.sum(tl.where(first & (grp == g), e_p, 0), 0)
     member = p_ok & (e_p == expert)
     offs_r = tl.arange(0, BLOCK_M)
     hit = member[None, :] & (rank[None, :] == offs_r[:, None])
     pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
     row_ok = tl.sum(hit.to(tl.int32), 1) > 0
-    return expert, pair, row_ok
-
-
-@triton.jit
-def _group_code(IDS, P, BLOCK_P: tl.constexpr):
-    """``_group_tables`` packed into one vector (fewer registers to keep across a loop): per pair
-    (group << 16) | (rank << 12) | expert, -1 past P (rank < 16 rows, experts < 4096); and n_groups."""
-    e_p, rank, first, grp, p_ok, n_groups = _group_tables(IDS, P, BLOCK_P)
-    return tl.where(p_ok, (grp << 16) | (rank << 12) | e_p, -1), n_groups
-
-
-@triton.jit
-def _code_members(code, g, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Group g from ``_group_code``: (expert, member pairs [BLOCK_M], mask), as ``_group_members``."""
-    offs_p = tl.arange(0, BLOCK_P)
-    member = (code >= 0) & ((code >> 16) == g)
-    expert = tl.max(tl.where(member, code & 4095, 0), 0)
-    offs_r = tl.arange(0, BLOCK_M)
-    hit = member[None, :] & (((code >> 12) & 15)[None, :] == offs_r[:, None])
-    pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
-    row_ok = tl.sum(hit.to(tl.int32), 1) > 0
-    return expert, pair, row_ok
-
-
-@triton.jit
-def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Group g of the (row, expert) pairs: (expert, number of groups, member pairs [BLOCK_M], mask)."""
-    e_p, rank, first, grp, p_ok, n_groups = _group_tables(IDS, P, BLOCK_P)
-    expert, pair, row_ok = _group_members(e_p, rank, first, grp, p_ok, g, BLOCK_P, BLOCK_M)
     return expert, n_groups, pair, row_ok
 
 
@@ -257,62 +213,6 @@ def _silu_mul_e4m3(hg, hu, ok, AXIS: tl.constexpr):
     return _e4m3_bits(a), scale
 
 
-@triton.jit
-def _gu_finish(acc_g, acc_u, ACT, ACT_SCALE, pair, row_ok, n_ok, offs_n, nb, stride_am, stride_asm):
-    """Gate/Up's epilogue: SiLU(gate) * up as E4M3 with one scale per (pair, column block)."""
-    ok = row_ok[:, None] & n_ok[None, :]
-    bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
-    tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
-    tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
-
-
-@triton.jit
-def _gu_block(X, W13, S13, expert, pair, nb, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-              I: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pointers of Gate/Up column block ``nb`` of ``expert`` for the group's pairs: (columns, column
-    mask, gate and up weight rows, their scale rows, the pairs' x rows)."""
-    tok = pair // TOPK
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    w_g = W13 + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    w_u = w_g + I * stride_wn
-    s_base = S13 + expert * stride_se
-    s_g = s_base + (offs_n // 128) * stride_sn
-    s_u = s_base + ((offs_n + I) // 128) * stride_sn
-    x_ptr = X + tok[:, None] * stride_xm
-    return offs_n, n_ok, w_g, w_u, s_g, s_u, x_ptr
-
-
-@triton.jit
-def _gu_products(x_ptr, w_g, w_u, s_g, s_u, row_ok, n_ok, k_lo, k_hi, stride_sk,
-                 H: tl.constexpr, N_KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SCALE_BUG: tl.constexpr, F16: tl.constexpr):
-    """FP32 Gate and Up products over H columns [k_lo, k_hi) (multiples of BLOCK_K * UNROLL, or H),
-    UNROLL K steps per (software-pipelined) loop iteration, each step's product scaled by its block
-    scale: the same products in the same order for any UNROLL."""
-    op_ty = tl.float16 if F16 else tl.bfloat16
-    offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k00 in range(k_lo, k_hi, BLOCK_K * UNROLL):
-        for u in tl.static_range(UNROLL):
-            k0 = k00 + u * BLOCK_K
-            kk = k0 + offs_k
-            k_ok = kk < H
-            x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(w_g + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            kb = k0 // 128
-            if SCALE_BUG:
-                kb = (kb + 1) % N_KB
-            sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-            su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-            x = x.to(op_ty)
-            acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
-            acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
-    return acc_g, acc_u
-
-
 @triton.jit(do_not_specialize=["P"], launch_metadata=launch_signature)
 def _moe_gate_up_kernel(
     X, IDS, W13, S13, ACT, ACT_SCALE,
@@ -322,8 +222,8 @@ def _moe_gate_up_kernel(
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
     WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False,
 ):
-    """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1)
-    + nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
+    """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
+    nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
     a program with an expert group)."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
@@ -338,102 +238,43 @@ def _moe_gate_up_kernel(
     if PDL:
         gdc_launch_dependents()
     expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
+    op_ty = tl.float16 if F16 else tl.bfloat16
     if g < n_groups:
-        offs_n, n_ok, w_g, w_u, s_g, s_u, x_ptr = _gu_block(X, W13, S13, expert, pair, nb, stride_xm, stride_we,
-                                                            stride_wn, stride_se, stride_sn, I, TOPK, BLOCK_N)
-        acc_g, acc_u = _gu_products(x_ptr, w_g, w_u, s_g, s_u, row_ok, n_ok, 0, H, stride_sk, H, N_KB,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, UNROLL, SCALE_BUG, F16)
-        _gu_finish(acc_g, acc_u, ACT, ACT_SCALE, pair, row_ok, n_ok, offs_n, nb, stride_am, stride_asm)
+        tok = pair // TOPK
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        w_g = W13 + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+        w_u = w_g + I * stride_wn
+        s_base = S13 + expert * stride_se
+        s_g = s_base + (offs_n // 128) * stride_sn
+        s_u = s_base + ((offs_n + I) // 128) * stride_sn
+        x_ptr = X + tok[:, None] * stride_xm
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k00 in range(0, H, BLOCK_K * UNROLL):   # UNROLL K steps per iteration (same products, same order)
+            for u in tl.static_range(UNROLL):
+                k0 = k00 + u * BLOCK_K
+                kk = k0 + offs_k
+                k_ok = kk < H
+                x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(w_g + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                kb = k0 // 128
+                if SCALE_BUG:
+                    kb = (kb + 1) % N_KB
+                sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
+                su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
+                x = x.to(op_ty)
+                acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
+                acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
+        ok = row_ok[:, None] & n_ok[None, :]
+        bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
+        tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
+        tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
         if TIMELINE:
             tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
     _stamp(TL, prog, 3, TIMELINE)
-
-
-@triton.jit
-def _sk_owner(v, T, NP):
-    """The stream-K program whose unit range [q T // NP, (q + 1) T // NP) holds unit v (NP <= T)."""
-    return ((v + 1) * NP + T - 1) // T - 1
-
-
-@triton.jit(do_not_specialize=["P"], launch_metadata=launch_signature)
-def _moe_gate_up_sk_kernel(
-    X, IDS, W13, S13, ACT, ACT_SCALE, PART, CNT,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_am, stride_asm, P,
-    H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, DROP_BUG: tl.constexpr = False,
-    SEGS: tl.constexpr = 2,
-):
-    """Gate/Up balanced over a fixed grid (stream-K, keyword ``gu_stream_k``). The work is n_groups x
-    NB column blocks x KS loop iterations (UNROLL K steps each), numbered block by block; with
-    NP = min(grid, that count), program p < NP takes units [p T // NP, (p + 1) T // NP), so every
-    program streams the same weight bytes +- one iteration however many experts the routing picked.
-    The routing's group tables are computed once per program (session 21's stream-K recomputed them
-    per block inside its loop: 255 registers, two programs per SM); per block only its members are
-    picked from them. A block wholly inside one program is finished there (v1's epilogue); a shared
-    block gets an FP32 partial from each contributor in ``PART`` [grid, 2, 2, BLOCK_M, BLOCK_N] (slot 0:
-    the program's first block, 1: any later one, which can only be its last when shared), and its last
-    contributor to arrive (``CNT`` per block: release / acquire, re-zeroed after) sums them in program
-    order (deterministic) and finishes. K is summed in other pieces than v1's, so the output may differ
-    from v1's in the last bits. ``DROP_BUG`` (negative control): the first contributor's partial is
-    left out. ``TIMELINE``: record p, field 4 = 1 for a program with work."""
-    pid = tl.program_id(0)
-    _stamp(TL, pid, 1, TIMELINE)
-    if WAIT:   # a programmatic dependent of the router (ids and x final from here), as v1
-        gdc_wait()
-    _stamp(TL, pid, 2, TIMELINE)
-    if PDL:
-        gdc_launch_dependents()
-    NB: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
-    STEP: tl.constexpr = BLOCK_K * UNROLL
-    KS: tl.constexpr = (H + STEP - 1) // STEP
-    code, n_groups = _group_code(IDS, P, BLOCK_P)
-    T = n_groups * (NB * KS)
-    NP = tl.minimum(tl.num_programs(0), T)
-    u = (pid * T) // NP
-    u_end = tl.where(pid < NP, ((pid + 1) * T) // NP, u)
-    first_blk = u // KS
-    if TIMELINE:
-        tl.store(TL + pid.to(tl.int64) * _TL_FIELDS + 4, (u < u_end).to(tl.int64))
-    offs_m = tl.arange(0, BLOCK_M)
-    part_tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    TILE2: tl.constexpr = 2 * BLOCK_M * BLOCK_N
-    for _seg in tl.static_range(SEGS):   # straight-line copies, no back edge: v1's registers plus the partials'
-      if u < u_end:
-        blk = u // KS
-        it0 = u - blk * KS
-        it1 = tl.minimum(KS, it0 + (u_end - u))
-        g = blk // NB
-        nb = blk - g * NB
-        expert, pair, row_ok = _code_members(code, g, BLOCK_P, BLOCK_M)
-        offs_n, n_ok, w_g, w_u, s_g, s_u, x_ptr = _gu_block(X, W13, S13, expert, pair, nb, stride_xm, stride_we,
-                                                            stride_wn, stride_se, stride_sn, I, TOPK, BLOCK_N)
-        acc_g, acc_u = _gu_products(x_ptr, w_g, w_u, s_g, s_u, row_ok, n_ok, it0 * STEP,
-                                    tl.minimum(it1 * STEP, H), stride_sk, H, N_KB, BLOCK_M, BLOCK_N, BLOCK_K,
-                                    UNROLL, SCALE_BUG, F16)
-        if (it0 == 0) & (it1 == KS):   # the whole block here
-            _gu_finish(acc_g, acc_u, ACT, ACT_SCALE, pair, row_ok, n_ok, offs_n, nb, stride_am, stride_asm)
-        else:
-            slot = PART + (pid * 2 + (blk != first_blk).to(tl.int32)).to(tl.int64) * TILE2
-            tl.store(slot + part_tile, acc_g)
-            tl.store(slot + BLOCK_M * BLOCK_N + part_tile, acc_u)
-            q0 = _sk_owner(blk * KS, T, NP)
-            q1 = _sk_owner(blk * KS + KS - 1, T, NP)
-            tl.debug_barrier()   # every thread's partial precedes the one release
-            arrived = tl.atomic_add(CNT + blk, 1, sem="acq_rel", scope="gpu")
-            if arrived == q1 - q0:   # the last contributor: every partial is visible
-                hg = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                hu = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for q in range(q0 + DROP_BUG, q1 + 1):   # program order: deterministic
-                    side = ((q * T // NP) // KS != blk).to(tl.int32)
-                    src = PART + (q * 2 + side).to(tl.int64) * TILE2
-                    hg += tl.load(src + part_tile, cache_modifier=".cg")
-                    hu += tl.load(src + BLOCK_M * BLOCK_N + part_tile, cache_modifier=".cg")
-                _gu_finish(hg, hu, ACT, ACT_SCALE, pair, row_ok, n_ok, offs_n, nb, stride_am, stride_asm)
-                tl.atomic_xchg(CNT + blk, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
-        u = (blk + 1) * KS
-    _stamp(TL, pid, 3, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["P"], launch_metadata=launch_signature)
@@ -769,52 +610,24 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     return w, H, E, I, topk_ids.shape[1]
 
 
-def _gu_counters(device, n):
-    """The stream-K Gate/Up's per-block arrival counters (``_common.cached_counters``; a Gate/Up
-    completes before the next one starts, so calls share them)."""
-    return cached_counters(_gu_counters.__dict__.setdefault("cache", {}), device, n, "gu_stream_k", 1024)
-
-
-def _gate_up_args(x, ids, w13, s13, act, act_scale, P, *, scale_bug, f16, pdl, wait, no_wait, tl_buf, block_n):
-    """Arguments and keywords shared by both v1 Gate/Up kernels."""
-    args = (x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-            act.stride(0), act_scale.stride(0), P)
-    return args, dict(
-        H=x.shape[1], I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
-        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=block_n, BLOCK_K=GU_BLOCK_K,
-        SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl, WAIT=wait and not no_wait,
-        TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
-        num_warps=GU_NUM_WARPS, **({"launch_pdl": True} if wait else {}))
-
-
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``tl_buf``: timeline records (diagnostics)."""
-    args, kw = _gate_up_args(x, ids, w13, s13, act, act_scale, P, scale_bug=scale_bug, f16=f16, pdl=pdl,
-                             wait=wait, no_wait=no_wait, tl_buf=tl_buf, block_n=block_n)
-    _moe_gate_up_kernel[(min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))](
-        x, ids, w13, s13, act.view(torch.uint8), act_scale, *args,
+    grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
+    H = x.shape[1]
+    _moe_gate_up_kernel[grid](
+        x, ids, w13, s13, act.view(torch.uint8), act_scale,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
+        act.stride(0), act_scale.stride(0), P,
+        H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=block_n, BLOCK_K=GU_BLOCK_K,
+        SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
-        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)),
-        num_stages=num_stages or GU_NUM_STAGES, **kw)
-
-
-def _launch_gate_up_sk(x, ids, w13, s13, act, act_scale, P, *, programs, num_stages=None, scale_bug=False,
-                       f16=None, pdl=False, wait=False, no_wait=False, tl_buf=None, drop_bug=False):
-    """Stream-K Gate/Up (``_moe_gate_up_sk_kernel``): ``programs`` programs share the work evenly."""
-    cnt = _gu_counters(x.device, min(P, w13.shape[0]) * triton.cdiv(w13.shape[1] // 2, GU_BLOCK_N))
-    part = torch.empty((programs, 2, 2, GU_BLOCK_M, GU_BLOCK_N), device=x.device, dtype=torch.float32)
-    args, kw = _gate_up_args(x, ids, w13, s13, act, act_scale, P, scale_bug=scale_bug, f16=f16, pdl=pdl,
-                             wait=wait, no_wait=no_wait, tl_buf=tl_buf, block_n=GU_BLOCK_N)
-    blocks = min(P, w13.shape[0]) * triton.cdiv(w13.shape[1] // 2, GU_BLOCK_N)
-    ks = triton.cdiv(x.shape[1], GU_BLOCK_K * GU_UNROLL)
-    # the most blocks one program's range can touch: its units (at most ceil(blocks ks / programs))
-    # starting one before a block boundary
-    segs = triton.cdiv(triton.cdiv(blocks * ks, programs) - 1, ks) + 1
-    _moe_gate_up_sk_kernel[(programs,)](
-        x, ids, w13, s13, act.view(torch.uint8), act_scale, part, cnt, *args,
-        UNROLL=GU_UNROLL, DROP_BUG=bool(drop_bug), SEGS=segs, num_stages=num_stages or GU_NUM_STAGES,
-        **({"maxnreg": GU_SK_MAXNREG} if GU_SK_MAXNREG and compiled_cuda(x.device) else {}), **kw)
+        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
+        TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
+        num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
+        **({"launch_pdl": True} if wait else {}),
+    )
 
 
 def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bug=False, act_block=GU_BLOCK_N):
@@ -907,13 +720,12 @@ def _launch_down_v2(act, act_scale, ids, tw, groups, w2, s2, dpart, cnt, out, *,
     )
 
 
-def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None, gu_programs=None):
-    """(Gate/Up, wide Down, reduce) program counts of a v1 call: the ``_timeline`` records' layout
-    (``gu_programs``: the stream-K Gate/Up's grid, if that is the Gate/Up)."""
+def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None):
+    """(Gate/Up, wide Down, reduce) program counts of a v1 call: the ``_timeline`` records' layout."""
     P = w * topk
     nb = down_nb or DOWN_NB
-    return (gu_programs or min(P, E) * triton.cdiv(I, GU_BLOCK_N),
-            min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb), w * triton.cdiv(H, red_block_h or RED_BLOCK_H))
+    return (min(P, E) * triton.cdiv(I, GU_BLOCK_N), min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb),
+            w * triton.cdiv(H, red_block_h or RED_BLOCK_H))
 
 
 def counters_size(w, H, I, E, topk=8):
@@ -926,7 +738,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_stream_k=None, gu_programs=None):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -947,12 +759,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         out = torch.empty((w, H), device=dev, dtype=torch.bfloat16)
     check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
     if variant == "v1":
-        sk = GU_STREAM_K if gu_stream_k is None else bool(gu_stream_k)
-        sk_progs = int(gu_programs or GU_SK_PER_SM * device_sm_count(dev))
-        check(gu_split_k in (None, 1), "gu_split_k: a v2 option (v1 balances its Gate/Up with gu_stream_k)")
-        check(not sk or (bn == GU_BLOCK_N and gu_unroll in (None, GU_UNROLL) and sk_progs >= 1),
-              f"gu_stream_k: the default Gate/Up width {GU_BLOCK_N} and unroll {GU_UNROLL}; gu_programs >= 1")
-        check(not _drop_split or sk, "_drop_split: a control of v2, or of v1 with gu_stream_k")
+        check(not _drop_split, "_drop_split is a v2 control")
         # the wide Down holds the whole expert width (I <= 256, a q1 shard under TP >= 8) in one
         # program; wider experts (unsharded q1) keep one column block per program by default
         nb = int(down_nb or (DOWN_NB if I <= 256 else 1))
@@ -966,7 +773,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
             check(next_pow2(H) <= 32768, "norm: H <= 32768")
         # _timeline (diagnostics: experiments/timeline_moe.py): int64 [timeline_programs(...),
         # TIMELINE_FIELDS] records of the Gate/Up, then the wide Down's, then the reduce's programs
-        n_gu = sk_progs if sk else min(P, E) * triton.cdiv(I, bn)
+        n_gu = min(P, E) * triton.cdiv(I, bn)
         n_dn = min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb)
         if _timeline is not None:
             check(nb > 1 and _timeline.dtype == torch.int64 and _timeline.is_contiguous()
@@ -975,20 +782,15 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         # PDL chains Gate/Up -> wide Down -> reduce (the one-block Down is launched plainly; the
         # reduce still waits correctly behind it)
         use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
-        gu_wait = use_pdl and (gu_pdl is None or bool(gu_pdl))
         pf = DOWN_PREFETCH if down_prefetch is None else int(down_prefetch)
         check(pf >= 0 and (red_block_h is None or red_block_h in (128, 256, 512, 1024, 2048)),
               "down_prefetch >= 0; red_block_h: a power of two in [128, 2048]")
         steps = [
-            ("gate_up", (lambda: _launch_gate_up_sk(x, ids, w13, s13, act, act_scale, P, programs=sk_progs,
-                                                    num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
-                                                    pdl=use_pdl and nb > 1, wait=gu_wait, no_wait=_gu_no_wait,
-                                                    tl_buf=_timeline, drop_bug=_drop_split))
-             if sk else
-             (lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
-                                      num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
-                                      block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
-                                      wait=gu_wait, no_wait=_gu_no_wait, tl_buf=_timeline))),
+            ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
+                                                num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
+                                                block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
+                                                wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
+                                                no_wait=_gu_no_wait, tl_buf=_timeline)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
@@ -1042,10 +844,7 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     ``down_split_e`` (DOWN2_SPLIT_E), ``counters`` (a persistent int32 zero buffer of
     ``counters_size(...)`` entries, left zero by each call; otherwise one is zeroed per call),
     ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
-    v1 options: ``gu_stream_k`` (the Gate/Up balanced over a fixed grid of ``gu_programs`` programs,
-    default GU_SK_PER_SM per SM; shared blocks summed by their last contributor in program order;
-    default GU_STREAM_K; ``_drop_split`` its negative control);
-    ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
+    v1 options: ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
     pipelined wide Down kernel); ``gu_f16`` / ``down_f16`` (FP16 instead of BF16 operands in Gate/Up /
     in the wide Down; defaults GU_F16 / DOWN_F16); ``gu_block_n`` (Gate/Up columns per program, also
     the activation-scale block; default GU_BLOCK_N); ``pdl`` (programmatic dependent launch of the

@@ -29,12 +29,6 @@ def _fp64_trig(name, kw):
     return name == "_rope_tables_kernel" or (name == "_rope_kv_kernel" and bool(kw.get("ANGLES")))
 
 
-# The stream-K Gate/Up is capped at 168 registers (three programs per SM; 178-186 uncapped), which
-# costs a few spill slots (8-32 bytes of stack in these launches; at w = 6, one store and two loads
-# outside its loops).
-SK_STACK = 32
-
-
 class _Sm90Driver:
     def get_current_device(self):
         return 0
@@ -68,7 +62,6 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait"),
              ("_router_kernel", "PDL", "griddepcontrol.wait"),
              ("_moe_gate_up_kernel", "WAIT", "griddepcontrol.wait"),
-             ("_moe_gate_up_sk_kernel", "WAIT", "griddepcontrol.wait"),
              ("_attn_split_v2_kernel", "TMA", "cp.async.bulk.tensor"),
              ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait"),
              ("_rope_kv_kernel", "PDL", "griddepcontrol.wait"),
@@ -165,8 +158,6 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                                 gu_num_stages=st)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
-            M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_stream_k=True,
-                            gu_programs=396, _drop_split=bug, pdl=True)   # the stream-K Gate/Up
             for first in (True, False):                         # + add + norm (its weight before the wait)
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, pdl=True, _norm_bug=bug,
                                 norm=(x.clone(), torch.ones(H).to(bf), 1e-6, torch.zeros(8, dtype=torch.int32)),
@@ -236,7 +227,6 @@ def main():
         m.pdl_supported = lambda device: True
     mods[7].compiled_cuda = lambda device: True   # and the weight prefetch
     mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches
-    mods[1].compiled_cuda = lambda device: True   # and the stream-K Gate/Up's register cap
     mods[4].pdl_supported = lambda device: True
     _launch_everything(*mods)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -257,7 +247,7 @@ def main():
                 problems.append(f"{name} {grid}: no resource report")
             else:
                 regs, stack, local = (int(v) for v in m.groups())
-                allowed = TRIG_STACK if _fp64_trig(name, kw) else SK_STACK if name == "_moe_gate_up_sk_kernel" else 0
+                allowed = TRIG_STACK if _fp64_trig(name, kw) else 0
                 if stack > allowed or local:
                     problems.append(f"{name} {grid}: stack {stack} B, local {local} B")
         if shared > SMEM_LIMIT:

@@ -321,21 +321,6 @@ def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16):
     assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("programs", [396, 264, 37, 1000])
-@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
-def test_q1_shard_gate_up_stream_k(w, kind, programs):
-    """The stream-K Gate/Up (gu_stream_k): blocks shared by two or more programs are summed by their
-    last contributor, in program order (so the same routing twice gives the same bits); 1,000
-    programs leave some without work. Negative control: the first contributor's partial left out."""
-    M = load_kernels("moe")
-    kw = dict(gu_stream_k=True, gu_programs=programs)
-    errs = run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), **kw)
-    assert _ok(errs), errs
-    assert run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), **kw) == errs
-    assert _rejected(run_case(M, Q1, w, kind, seed=800 + w, weights=_q1_weights(), _drop_split=True, **kw))
-
-
 def _timeline_case(M, no_wait=False):
     """One q1-shard call with per-program records (``_timeline``) and one without: (records [n, 6]
     on the CPU, program counts, the two outputs)."""
@@ -441,25 +426,6 @@ def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16):
     M = load_kernels("moe")
     assert down_case(M, MINI, w, kind, seed=w, nb=nb, f16=f16) < TOL_DOWN[f16]
     assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, scale_bug=True) > TOL_EMU
-
-
-# 4 / 6 loop iterations (of 256 H columns) per column block, so a program's range starts and ends
-# inside blocks, and a block can span three programs
-MINI_K4 = dict(H=1024, I=128, E=16)
-MINI_K6 = dict(H=1536, I=128, E=16)
-
-
-@cpu_only
-@pytest.mark.parametrize("programs,shape,w,kind", [(7, MINI_K4, 6, "shared"), (5, MINI_K4, 3, "random"),
-                                                   (23, MINI_K6, 8, "same"), (200, MINI_K4, 2, "random")])
-def test_interp_gate_up_stream_k(programs, shape, w, kind):
-    """gu_stream_k on the interpreter: within tolerance, counters left at zero (200 programs: more
-    than the work's units, the surplus idle); the first contributor's partial left out is caught."""
-    M = load_kernels("moe")
-    kw = dict(gu_stream_k=True, gu_programs=programs, down_nb=2)
-    assert _ok(run_case(M, shape, w, kind, seed=w, **kw))
-    assert int(M._gu_counters.cache[("cpu", -1)].abs().sum()) == 0
-    assert _rejected(run_case(M, shape, w, kind, seed=w, _drop_split=True, **kw))
 
 
 @cpu_only
