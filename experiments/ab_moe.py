@@ -42,9 +42,6 @@ CONFIGS = {
     "gu_unroll1": dict(gu_unroll=1),
     # Gate/Up, Down and reduce launched plainly (no programmatic dependent launch)
     "no_pdl": dict(pdl=False),
-    # Gate/Up with Gate and Up rows as one wgmma operand (gu_swap = 2; session 22), stages / unroll
-    **{f"swap2_st{st}": dict(gu_swap=2, gu_num_stages=st) for st in (2, 3, 4)},
-    **{f"swap2_u1_st{st}": dict(gu_swap=2, gu_unroll=1, gu_num_stages=st) for st in (4, 6)},
 }
 
 

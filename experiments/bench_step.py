@@ -331,9 +331,6 @@ AB_VARIANTS = {
     # the MoE's Gate/Up with 3 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
     # moe.DOWN_WIDE_NUM_STAGES)
     **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 5)},
-    # the Gate/Up's Gate and Up rows as one wgmma operand (moe gu_swap = 2; session 22)
-    **{f"moe_swap2_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_swap=2, gu_num_stages=n)) for n in (3, 4)},
-    "moe_swap2_u1_st6": lambda rnd: _moe_opts(rnd, gu_swap=2, gu_unroll=1, gu_num_stages=6),
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 6 / 12 column blocks
     # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB)

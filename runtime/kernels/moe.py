@@ -76,12 +76,6 @@ GU_NUM_WARPS = 4
 # kernel is issue-latency bound). Session 13, H200, same run: MoE 64.48 -> 62.30 us (38 experts),
 # 85.88 -> 79.29 us (48) with 4 stages; 3 stages 63.02 / 84.10, 2 stages 66.85 / 82.56.
 GU_UNROLL = 2
-# v1 Gate/Up operand order (keyword gu_swap): 0 = x [rows, K] times the Gate and Up tiles transposed
-# (two mma.sync products per K step); 2 = the Gate and Up rows as one [2 x BLOCK_N, K] operand times
-# x transposed (one M = 64 product: wgmma with the converted weights as its register A operand, x^T
-# from shared memory). sm_90 compile of the loop: 351 -> 295 instructions per iteration, 124 -> 15
-# register moves, 56 KiB of shared memory at 3 stages (4 stages: 80 KiB, two programs per SM).
-GU_SWAP = 0
 # Two ways of balancing the Gate/Up's bytes over the SMs were built and measured slower (session 22,
 # experiments/notes/kernels.md; patches in experiments/results/kernels_s22/rejected/): K shares per
 # column block summed by the last to arrive (MoE 1.11-1.38x) and a stream-K grid of three programs per
@@ -226,7 +220,7 @@ def _moe_gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, SWAP: tl.constexpr = 0,
+    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
@@ -256,49 +250,24 @@ def _moe_gate_up_kernel(
         s_g = s_base + (offs_n // 128) * stride_sn
         s_u = s_base + ((offs_n + I) // 128) * stride_sn
         x_ptr = X + tok[:, None] * stride_xm
-        if SWAP == 0:
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        elif SWAP == 1:
-            acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        else:   # Gate and Up rows as one 2 BLOCK_N-row operand
-            r2 = tl.arange(0, 2 * BLOCK_N)
-            rows2 = nb * BLOCK_N + (r2 % BLOCK_N) + (r2 // BLOCK_N) * I
-            ok2 = ((r2 % BLOCK_N) + nb * BLOCK_N) < I
-            w_2 = W13 + expert.to(tl.int64) * stride_we + rows2[:, None] * stride_wn
-            s_2 = s_base + (rows2 // 128) * stride_sn
-            acc2 = tl.zeros([2 * BLOCK_N, BLOCK_M], tl.float32)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k00 in range(0, H, BLOCK_K * UNROLL):   # UNROLL K steps per iteration (same products, same order)
             for u in tl.static_range(UNROLL):
                 k0 = k00 + u * BLOCK_K
                 kk = k0 + offs_k
                 k_ok = kk < H
+                x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(w_g + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 kb = k0 // 128
                 if SCALE_BUG:
                     kb = (kb + 1) % N_KB
-                x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
+                su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
                 x = x.to(op_ty)
-                if SWAP == 2:
-                    w2t = tl.load(w_2 + kk[None, :], mask=ok2[:, None] & k_ok[None, :], other=0.0)
-                    s2t = tl.load(s_2 + kb * stride_sk, mask=ok2 & (k0 < H), other=0.0)
-                    acc2 += tl.dot(w2t.to(op_ty), tl.trans(x)) * s2t[:, None]
-                else:
-                    wg = tl.load(w_g + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                    wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                    sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-                    su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-                    if SWAP == 0:
-                        acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
-                        acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
-                    else:
-                        acc_g += tl.dot(wg.to(op_ty), tl.trans(x)) * sg[:, None]
-                        acc_u += tl.dot(wu.to(op_ty), tl.trans(x)) * su[:, None]
-        if SWAP == 1:
-            acc_g = tl.trans(acc_g)
-            acc_u = tl.trans(acc_u)
-        elif SWAP == 2:
-            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc2, [2, BLOCK_N, BLOCK_M]), [2, 1, 0]))
+                acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
+                acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
         ok = row_ok[:, None] & n_ok[None, :]
         bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
         tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
@@ -642,7 +611,7 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
-                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None, swap=None):
+                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``tl_buf``: timeline records (diagnostics)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
@@ -655,7 +624,6 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
         UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
-        SWAP=GU_SWAP if swap is None else int(swap),
         TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
@@ -770,7 +738,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_swap=None):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -822,7 +790,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
-                                                no_wait=_gu_no_wait, tl_buf=_timeline, swap=gu_swap)),
+                                                no_wait=_gu_no_wait, tl_buf=_timeline)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
