@@ -79,7 +79,9 @@ GU_UNROLL = 2
 # Two ways of balancing the Gate/Up's bytes over the SMs were built and measured slower (session 22,
 # experiments/notes/kernels.md; patches in experiments/results/kernels_s22/rejected/): K shares per
 # column block summed by the last to arrive (MoE 1.11-1.38x) and a stream-K grid of three programs per
-# SM (MoE 1.07-1.09x, the q1 step 1.13x).
+# SM (MoE 1.07-1.09x, the q1 step 1.13x); so was its product on wgmma (Gate and Up rows as one
+# M = 64 operand: MoE 1.08-1.35x), each step's wgmma waited for before its scale is applied.
+
 # FP16 tensor-core operands in v1 Gate/Up (keyword gu_f16): E4M3 -> FP16 is one packed conversion
 # per two weights, E4M3 -> BF16 several; x is converted to FP16 per tile (post-norm hidden states lie
 # within +-65504). H200, 38 experts: Gate/Up 62.9 -> 42.7 us (experiments/notes/kernels.md).
