@@ -80,11 +80,10 @@ def main():
     copy_bw = copy_bandwidth()[0]
     weights = moe_sets(args.sets)
     data = moe_data(weights, w, args.distinct)
-    kw = {}
     n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E)
     bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
     mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
-        x, ids, tw, *wt, o, _timeline=b if rec else None, **kw)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
+        x, ids, tw, *wt, o, _timeline=b if rec else None)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
     t_plain = graph_time(mk(False))[0]
     t_rec = graph_time(mk(not DRY_RUN))[0]   # the interpreter has no global timer
     nbytes = moe_bytes(w, args.distinct)
