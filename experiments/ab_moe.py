@@ -42,6 +42,16 @@ CONFIGS = {
     "gu_unroll1": dict(gu_unroll=1),
     # Gate/Up, Down and reduce launched plainly (no programmatic dependent launch)
     "no_pdl": dict(pdl=False),
+    # Gate/Up with Gate and Up rows as one mma.sync operand times x transposed (gu_swap = 3; session
+    # 23): stages, K steps per iteration, a 128-register cap (four programs per SM)
+    **{f"swap3_st{st}": dict(gu_swap=3, gu_num_stages=st) for st in (3, 4)},
+    "swap3_st3_r128": dict(gu_swap=3, gu_num_stages=3, gu_maxnreg=128),
+    **{f"swap3_u1_st{st}": dict(gu_swap=3, gu_unroll=1, gu_num_stages=st) for st in (6, 8)},
+    # the wide Down's weight tile as the mma.sync A operand times the activations transposed
+    # (down_swap; session 23), its stages, and with the Gate/Up's swap
+    "dswap": dict(down_swap=True),
+    **{f"dswap_st{st}": dict(down_swap=True, down_num_stages=st) for st in (2, 4)},
+    "swap3_dswap": dict(gu_swap=3, gu_num_stages=4, down_swap=True),
 }
 
 

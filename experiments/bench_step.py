@@ -331,6 +331,14 @@ AB_VARIANTS = {
     # the MoE's Gate/Up with 3 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
     # moe.DOWN_WIDE_NUM_STAGES)
     **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 5)},
+    # the Gate/Up's Gate and Up rows as one mma.sync operand (moe gu_swap = 3; session 23)
+    **{f"moe_swap3_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_swap=3, gu_num_stages=n)) for n in (3, 4)},
+    "moe_swap3_st3_r128": lambda rnd: _moe_opts(rnd, gu_swap=3, gu_num_stages=3, gu_maxnreg=128),
+    "moe_swap3_u1_st6": lambda rnd: _moe_opts(rnd, gu_swap=3, gu_unroll=1, gu_num_stages=6),
+    # the wide Down's weight tile as the mma.sync A operand (moe down_swap; session 23), alone and
+    # with the Gate/Up's
+    "moe_dswap": lambda rnd: _moe_opts(rnd, down_swap=True),
+    "moe_swap3_dswap": lambda rnd: _moe_opts(rnd, gu_swap=3, gu_num_stages=4, down_swap=True),
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 6 / 12 column blocks
     # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB)

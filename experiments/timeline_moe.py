@@ -25,6 +25,7 @@ first call's first entry, has-work flag), from which per-SM loads can be read.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import statistics
 import sys
@@ -74,8 +75,11 @@ def main():
     ap.add_argument("--distinct", type=int, default=MOE["realistic"], help="distinct experts per call")
     ap.add_argument("--w", type=int, default=MOE["w"])
     ap.add_argument("--sets", type=int, default=6, help="rotating weight sets = calls per graph")
+    ap.add_argument("--opts", default="", help="fused_moe_fp8 keywords, e.g. gu_swap=3,gu_num_stages=4 "
+                    "(values read as Python literals)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
+    opts = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.opts.split(",") if kv)}
     H, I, E, w = MOE["H"], MOE["I"], MOE["E"], args.w
     copy_bw = copy_bandwidth()[0]
     weights = moe_sets(args.sets)
@@ -83,7 +87,7 @@ def main():
     n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E)
     bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
     mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
-        x, ids, tw, *wt, o, _timeline=b if rec else None)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
+        x, ids, tw, *wt, o, _timeline=b if rec else None, **opts)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
     t_plain = graph_time(mk(False))[0]
     t_rec = graph_time(mk(not DRY_RUN))[0]   # the interpreter has no global timer
     nbytes = moe_bytes(w, args.distinct)

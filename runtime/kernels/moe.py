@@ -48,6 +48,7 @@ E4M3 -> BF16 costs an extra per-value F2F conversion, about one per weight byte.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -76,6 +77,12 @@ GU_NUM_WARPS = 4
 # kernel is issue-latency bound). Session 13, H200, same run: MoE 64.48 -> 62.30 us (38 experts),
 # 85.88 -> 79.29 us (48) with 4 stages; 3 stages 63.02 / 84.10, 2 stages 66.85 / 82.56.
 GU_UNROLL = 2
+# v1 Gate/Up operand order (keyword gu_swap): 0 = x [rows, K] times the Gate and Up tiles transposed
+# (two mma.sync products per K step); 2 = the Gate and Up rows as one [2 x BLOCK_N, K] operand times
+# x transposed (one M = 64 product: wgmma with the converted weights as its register A operand, x^T
+# from shared memory). sm_90 compile of the loop: 351 -> 295 instructions per iteration, 124 -> 15
+# register moves, 56 KiB of shared memory at 3 stages (4 stages: 80 KiB, two programs per SM).
+GU_SWAP = 0
 # Two ways of balancing the Gate/Up's bytes over the SMs were built and measured slower (session 22,
 # experiments/notes/kernels.md; patches in experiments/results/kernels_s22/rejected/): K shares per
 # column block summed by the last to arrive (MoE 1.11-1.38x) and a stream-K grid of three programs per
@@ -100,6 +107,10 @@ DOWN_NB = 8
 # multiplied back.
 DOWN_F16 = True
 DOWN_WIDE_NUM_STAGES = 3
+# Wide Down operand order (keyword down_swap): False = activations [pairs, I] times the weight tile
+# transposed; True = the weight tile [128, I] times the activations transposed (8 pairs), lowered
+# to mma.sync (``_no_wgmma``).
+DOWN_SWAP = False
 # Warps of the reduce with the norm fused (``norm=``): the add + RMSNorm kernel's 16, so that the last
 # program's sum of squares over the row has that kernel's layout and order.
 RED_NORM_NUM_WARPS = 16
@@ -222,7 +233,7 @@ def _moe_gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False,
+    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, SWAP: tl.constexpr = 0,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
@@ -252,24 +263,55 @@ def _moe_gate_up_kernel(
         s_g = s_base + (offs_n // 128) * stride_sn
         s_u = s_base + ((offs_n + I) // 128) * stride_sn
         x_ptr = X + tok[:, None] * stride_xm
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SWAP == 0:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        elif SWAP == 1:
+            acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:   # Gate and Up rows as one 2 BLOCK_N-row operand (3: the same, x^T with 8 rows)
+            r2 = tl.arange(0, 2 * BLOCK_N)
+            rows2 = nb * BLOCK_N + (r2 % BLOCK_N) + (r2 // BLOCK_N) * I
+            ok2 = ((r2 % BLOCK_N) + nb * BLOCK_N) < I
+            w_2 = W13 + expert.to(tl.int64) * stride_we + rows2[:, None] * stride_wn
+            s_2 = s_base + (rows2 // 128) * stride_sn
+            acc2 = tl.zeros([2 * BLOCK_N, BLOCK_M], tl.float32)
         for k00 in range(0, H, BLOCK_K * UNROLL):   # UNROLL K steps per iteration (same products, same order)
             for u in tl.static_range(UNROLL):
                 k0 = k00 + u * BLOCK_K
                 kk = k0 + offs_k
                 k_ok = kk < H
-                x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                wg = tl.load(w_g + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 kb = k0 // 128
                 if SCALE_BUG:
                     kb = (kb + 1) % N_KB
-                sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-                su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
+                x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 x = x.to(op_ty)
-                acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
-                acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
+                if SWAP == 4:   # batched: [Gate; Up] x [x^T; x^T]
+                    w2t = tl.load(w_2 + kk[None, :], mask=ok2[:, None] & k_ok[None, :], other=0.0)
+                    s2t = tl.load(s_2 + kb * stride_sk, mask=ok2 & (k0 < H), other=0.0)
+                    w3 = tl.reshape(w2t.to(op_ty), [2, BLOCK_N, BLOCK_K])
+                    x3 = tl.broadcast_to(tl.trans(x)[None, :, :], [2, BLOCK_K, BLOCK_M])
+                    acc2 += tl.reshape(tl.dot(w3, x3), [2 * BLOCK_N, BLOCK_M]) * s2t[:, None]
+                elif SWAP >= 2:
+                    w2t = tl.load(w_2 + kk[None, :], mask=ok2[:, None] & k_ok[None, :], other=0.0)
+                    s2t = tl.load(s_2 + kb * stride_sk, mask=ok2 & (k0 < H), other=0.0)
+                    acc2 += tl.dot(w2t.to(op_ty), tl.trans(x)) * s2t[:, None]
+                else:
+                    wg = tl.load(w_g + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
+                    su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
+                    if SWAP == 0:
+                        acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
+                        acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
+                    else:
+                        acc_g += tl.dot(wg.to(op_ty), tl.trans(x)) * sg[:, None]
+                        acc_u += tl.dot(wu.to(op_ty), tl.trans(x)) * su[:, None]
+        if SWAP == 1:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
+        elif SWAP >= 2:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc2, [2, BLOCK_N, BLOCK_M]), [2, 1, 0]))
         ok = row_ok[:, None] & n_ok[None, :]
         bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
         tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
@@ -319,7 +361,7 @@ def _moe_down_wide_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
     F16: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
+    NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0, SWAP: tl.constexpr = False,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
@@ -373,15 +415,26 @@ def _moe_down_wide_kernel(
             s_ptr = s_base + (offs_n // 128) * stride_sn
             w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k0_ok[None, :], other=0.0)
             sw0 = tl.load(s_ptr + kb0 * stride_sk, mask=n_ok, other=0.0)
-            acc = tl.dot(a0, tl.trans(w0.to(op_ty))) * sw0[None, :]
-            if I > 128:
-                w1 = tl.load(w_ptr + k1[None, :], mask=n_ok[:, None] & k1_ok[None, :], other=0.0)
-                sw1 = tl.load(s_ptr + kb1 * stride_sk, mask=n_ok, other=0.0)
-                acc += tl.dot(a1, tl.trans(w1.to(op_ty))) * sw1[None, :]
-            if F16:
-                acc = acc * row_scale[:, None]
-            tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], acc,
-                     mask=row_ok[:, None] & n_ok[None, :])
+            if SWAP:   # weights as the A operand: [BLOCK_N, K] x [K, pairs]
+                acc = tl.dot(w0.to(op_ty), tl.trans(a0)) * sw0[:, None]
+                if I > 128:
+                    w1 = tl.load(w_ptr + k1[None, :], mask=n_ok[:, None] & k1_ok[None, :], other=0.0)
+                    sw1 = tl.load(s_ptr + kb1 * stride_sk, mask=n_ok, other=0.0)
+                    acc += tl.dot(w1.to(op_ty), tl.trans(a1)) * sw1[:, None]
+                if F16:
+                    acc = acc * row_scale[None, :]
+                tl.store(Y + pair[None, :] * stride_ym + offs_n[:, None], acc,
+                         mask=row_ok[None, :] & n_ok[:, None])
+            else:
+                acc = tl.dot(a0, tl.trans(w0.to(op_ty))) * sw0[None, :]
+                if I > 128:
+                    w1 = tl.load(w_ptr + k1[None, :], mask=n_ok[:, None] & k1_ok[None, :], other=0.0)
+                    sw1 = tl.load(s_ptr + kb1 * stride_sk, mask=n_ok, other=0.0)
+                    acc += tl.dot(a1, tl.trans(w1.to(op_ty))) * sw1[None, :]
+                if F16:
+                    acc = acc * row_scale[:, None]
+                tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], acc,
+                         mask=row_ok[:, None] & n_ok[None, :])
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -612,24 +665,48 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     return w, H, E, I, topk_ids.shape[1]
 
 
+@contextlib.contextmanager
+def _no_wgmma(on: bool):
+    """While a launch compiles its kernel: keep Triton from choosing wgmma (MMA v3) for its dots,
+    so that an M = 64 product is lowered to mma.sync (``DISABLE_MMA_V3``, one of Triton's
+    cache-invalidating compile switches, so the on-disk cache keeps the two builds apart). Only the
+    first launch of a specialisation compiles; later ones find it in the JIT's cache."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DISABLE_MMA_V3"]
+        else:
+            os.environ["DISABLE_MMA_V3"] = old
+
+
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
-                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None):
+                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None, swap=None,
+                    maxnreg=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``tl_buf``: timeline records (diagnostics)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
-    _moe_gate_up_kernel[grid](
-        x, ids, w13, s13, act.view(torch.uint8), act_scale,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-        act.stride(0), act_scale.stride(0), P,
-        H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
-        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=block_n, BLOCK_K=GU_BLOCK_K,
-        SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
-        # (the default unroll was measured at the default width; at 64 columns two steps spill)
-        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
-        TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
-        num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
-        **({"launch_pdl": True} if wait else {}),
-    )
+    swap = GU_SWAP if swap is None else int(swap)
+    with _no_wgmma(swap == 3):
+        _moe_gate_up_kernel[grid](
+            x, ids, w13, s13, act.view(torch.uint8), act_scale,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
+            act.stride(0), act_scale.stride(0), P,
+            H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
+            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if swap >= 3 else GU_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_K=GU_BLOCK_K, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
+            # (the default unroll was measured at the default width; at 64 columns two steps spill)
+            UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
+            SWAP=swap, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
+            num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
+            **({"launch_pdl": True} if wait else {}),
+            **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
+        )
 
 
 def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bug=False, act_block=GU_BLOCK_N):
@@ -647,21 +724,24 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
 
 
 def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
-                      act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0):
+                      act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0,
+                      swap=None):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256)."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
-    _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
-        act, act_scale, ids, w2, s2, y,
-        act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        s2.stride(2), y.stride(0), P,
-        H=H, I=I, N_KB=s2.shape[2],
-        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
-        ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
-        F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
-        NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
-        num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
-    )
+    swap = DOWN_SWAP if swap is None else bool(swap)
+    with _no_wgmma(swap):
+        _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
+            act, act_scale, ids, w2, s2, y,
+            act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+            s2.stride(2), y.stride(0), P,
+            H=H, I=I, N_KB=s2.shape[2],
+            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if swap else GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
+            ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
+            F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
+            NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
+            SWAP=swap, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+        )
 
 
 def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None,
@@ -740,7 +820,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False, _timeline=None):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_swap=None, down_swap=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -749,6 +829,8 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     check(variant in ("v1", "v2"), f"variant {variant!r}: 'v1' or 'v2'")
     P = w * topk
     check(P <= 64 and w <= GU_BLOCK_M, "at most 64 (row, expert) pairs and 16 rows")
+    check(w <= 8 or ((GU_SWAP if gu_swap is None else gu_swap) < 3 and not (DOWN_SWAP if down_swap is None else down_swap)),
+          "gu_swap >= 3 / down_swap: at most 8 rows")
     ids = topk_ids.to(torch.int32).contiguous()
     tw = topk_weights.contiguous()
     dev = x.device
@@ -792,14 +874,15 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
-                                                no_wait=_gu_no_wait, tl_buf=_timeline)),
+                                                no_wait=_gu_no_wait, tl_buf=_timeline, swap=gu_swap,
+                                                maxnreg=gu_maxnreg)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait,
-                                        tl_buf=_timeline, tl_base=n_gu))),
+                                        tl_buf=_timeline, tl_base=n_gu, swap=down_swap))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
                                               norm_bug=_norm_bug, weight_first=norm_weight_first,
                                               tl_buf=_timeline, tl_base=n_gu + n_dn)),

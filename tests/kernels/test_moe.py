@@ -275,6 +275,20 @@ def test_q1_shard_wide_down(w, kind, nb):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(gu_num_stages=3), dict(gu_num_stages=4), dict(gu_unroll=1, gu_num_stages=6),
+                                  dict(gu_num_stages=4, down_swap=True)])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
+def test_q1_shard_gate_up_swapped(w, kind, opts):
+    """gu_swap = 3 (Gate and Up rows as one mma.sync operand times x transposed, 8 rows) against the reference;
+    negative control: the wrong weight-scale block."""
+    M = load_kernels("moe")
+    errs = run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), gu_swap=3, **opts)
+    assert _ok(errs), errs
+    assert _rejected(run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), gu_swap=3, _scale_bug=True,
+                              **opts))
+
+
+@pytest.mark.gpu
 def test_wide_down_matches_v1_and_rejects_scale_bug():
     """Same products per output column as v1's Down; only the MMA's internal summation order may
     differ (the H200 showed differences in the last BF16 bit, not bit-identical output). Both with
@@ -308,15 +322,17 @@ def down_case(M, shape, w, kind, seed, weights=None, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nb,stages,f16", [(8, None, True), (4, 2, True), (12, 4, True), (5, 3, False)])
+@pytest.mark.parametrize("nb,stages,f16,swap", [(8, None, True, False), (4, 2, True, False), (12, 4, True, False),
+                                                (5, 3, False, False), (8, None, True, True), (4, 2, True, True),
+                                                (5, 3, False, True)])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
-def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16):
+def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16, swap):
     """The wide Down alone against the exact sum of its products: only the operands' rounding (FP16:
     each activation rounded to 11 bits after the pair's scale, H200 session 18: 2.1-2.3e-4; BF16: 8
     bits) and FP32 accumulation are left, far below the whole MoE's tolerance. Negative control: the
     wrong weight scale block."""
     M = load_kernels("moe")
-    kw = dict(nb=nb, num_stages=stages, f16=f16)
+    kw = dict(nb=nb, num_stages=stages, f16=f16, swap=swap)
     assert down_case(M, Q1, w, kind, seed=40 + w + nb, weights=_q1_weights(), **kw) < TOL_DOWN[f16]
     assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
 
@@ -421,11 +437,22 @@ def test_interp_mini_gu_block_n(bn):
 
 
 @cpu_only
-@pytest.mark.parametrize("nb,w,kind,f16", [(2, 4, "random", True), (3, 6, "shared", False)])
-def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16):
+@pytest.mark.parametrize("nb,w,kind,f16,swap", [(2, 4, "random", True, False), (3, 6, "shared", False, False),
+                                                (2, 8, "same", True, True), (3, 6, "shared", False, True)])
+def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16, swap):
     M = load_kernels("moe")
-    assert down_case(M, MINI, w, kind, seed=w, nb=nb, f16=f16) < TOL_DOWN[f16]
-    assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, scale_bug=True) > TOL_EMU
+    assert down_case(M, MINI, w, kind, seed=w, nb=nb, f16=f16, swap=swap) < TOL_DOWN[f16]
+    assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, swap=swap, scale_bug=True) > TOL_EMU
+
+
+@cpu_only
+@pytest.mark.parametrize("opts,shape,w,kind", [(dict(), MINI, 6, "shared"), (dict(gu_num_stages=3), MINI_K, 8, "same"),
+                                               (dict(gu_unroll=1), MINI, 4, "random")])
+def test_interp_gate_up_swapped(opts, shape, w, kind):
+    """gu_swap = 3 on the interpreter; the wrong weight-scale block is caught."""
+    M = load_kernels("moe")
+    assert _ok(run_case(M, shape, w, kind, seed=3, gu_swap=3, **opts))
+    assert _rejected(run_case(M, shape, w, kind, seed=3, gu_swap=3, _scale_bug=True, **opts))
 
 
 @cpu_only
