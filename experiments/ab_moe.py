@@ -30,9 +30,9 @@ from runtime.kernels import moe as M  # noqa: E402
 CONFIGS = {
     "default": {},
     "default_again": {},
-    # the wide Down's shape: column blocks per program and pipeline stages (defaults DOWN_NB = 8, 3)
+    # the wide Down's shape: column blocks per program and pipeline stages (defaults DOWN_NB_WEIGHTS_A = 6, 3)
     "nb4": dict(down_nb=4),
-    "nb6": dict(down_nb=6),
+    "nb5": dict(down_nb=5),
     "nb12": dict(down_nb=12),
     "down_st2": dict(down_num_stages=2),
     "down_st4": dict(down_num_stages=4),
@@ -42,16 +42,17 @@ CONFIGS = {
     "gu_unroll1": dict(gu_unroll=1),
     # Gate/Up, Down and reduce launched plainly (no programmatic dependent launch)
     "no_pdl": dict(pdl=False),
-    # Gate/Up with Gate and Up rows as one mma.sync operand times x transposed (gu_swap = 3; session
-    # 23): stages, K steps per iteration, a 128-register cap (four programs per SM)
-    **{f"swap3_st{st}": dict(gu_swap=3, gu_num_stages=st) for st in (3, 4)},
-    "swap3_st3_r128": dict(gu_swap=3, gu_num_stages=3, gu_maxnreg=128),
-    **{f"swap3_u1_st{st}": dict(gu_swap=3, gu_unroll=1, gu_num_stages=st) for st in (6, 8)},
-    # the wide Down's weight tile as the mma.sync A operand times the activations transposed
-    # (down_swap; session 23), its stages, and with the Gate/Up's swap
-    "dswap": dict(down_swap=True),
-    **{f"dswap_st{st}": dict(down_swap=True, down_num_stages=st) for st in (2, 4)},
-    "swap3_dswap": dict(gu_swap=3, gu_num_stages=4, down_swap=True),
+    # the Gate/Up with x as the MMA's A operand (the form before session 23; default since: the
+    # weights), and the weights-A form's stages, one K step per iteration, a 128-register cap
+    "gu_x_a": dict(gu_weights_a=False),
+    "gu_st3": dict(gu_num_stages=3),
+    "gu_st3_r128": dict(gu_num_stages=3, gu_maxnreg=128),
+    **{f"gu_u1_st{st}": dict(gu_unroll=1, gu_num_stages=st) for st in (6, 8)},
+    # the wide Down with the activations as the MMA's A operand (the form before session 23, with its
+    # 8 column blocks per program; default since: the weight tile, 6 blocks), and both old forms
+    "down_x_a": dict(down_weights_a=False),
+    "x_a": dict(gu_weights_a=False, down_weights_a=False),
+    "nb8": dict(down_nb=8),
 }
 
 

@@ -331,19 +331,16 @@ AB_VARIANTS = {
     # the MoE's Gate/Up with 3 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
     # moe.DOWN_WIDE_NUM_STAGES)
     **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 5)},
-    # the Gate/Up's Gate and Up rows as one mma.sync operand (moe gu_swap = 3; session 23)
-    **{f"moe_swap3_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_swap=3, gu_num_stages=n)) for n in (3, 4)},
-    "moe_swap3_st3_r128": lambda rnd: _moe_opts(rnd, gu_swap=3, gu_num_stages=3, gu_maxnreg=128),
-    "moe_swap3_u1_st6": lambda rnd: _moe_opts(rnd, gu_swap=3, gu_unroll=1, gu_num_stages=6),
-    # the wide Down's weight tile as the mma.sync A operand (moe down_swap; session 23), alone and
-    # with the Gate/Up's
-    "moe_dswap": lambda rnd: _moe_opts(rnd, down_swap=True),
-    "moe_swap3_dswap": lambda rnd: _moe_opts(rnd, gu_swap=3, gu_num_stages=4, down_swap=True),
+    # the Gate/Up with x and the wide Down with the activations as the MMA's A operand (the forms
+    # before session 23; the defaults since: the weights), each alone and both
+    "moe_gu_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False),
+    "moe_down_x_a": lambda rnd: _moe_opts(rnd, down_weights_a=False),
+    "moe_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False, down_weights_a=False),
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
-    # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 6 / 12 column blocks
-    # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB)
+    # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 5 / 8 column blocks
+    # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB_WEIGHTS_A = 6)
     **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},
-    **{f"moe_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, down_nb=n)) for n in (4, 6, 12)},
+    **{f"moe_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, down_nb=n)) for n in (4, 5, 8)},
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
     **{f"attn_ns{n}": (lambda rnd, n=n: _attn_opts(rnd, num_splits=n)) for n in (66, 264)},
     # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):

@@ -3,7 +3,7 @@
     ncu --clock-control none --profile-from-start off --set full -o $OUT/prof \
         python3 experiments/profile_kernels.py [--moe-only | --attn-only] [--attn-variants=v1,v2]
 
-Runs, at the q1 rank-emulation shard: one MoE call (v1, default DOWN_NB, 6 rows, 38 distinct experts)
+Runs, at the q1 rank-emulation shard: one MoE call (v1, default Down shape, 6 rows, 38 distinct experts)
 and one split-KV attention call (v1, 64K context, 6 rows), each after a warm-up (compilation) outside
 the profiled range (cudaProfilerStart / Stop around the measured calls). Without ncu it just runs.
 """

@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--distinct", type=int, default=MOE["realistic"], help="distinct experts per call")
     ap.add_argument("--w", type=int, default=MOE["w"])
     ap.add_argument("--sets", type=int, default=6, help="rotating weight sets = calls per graph")
-    ap.add_argument("--opts", default="", help="fused_moe_fp8 keywords, e.g. gu_swap=3,gu_num_stages=4 "
+    ap.add_argument("--opts", default="", help="fused_moe_fp8 keywords, e.g. gu_weights_a=False,down_nb=6 "
                     "(values read as Python literals)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
@@ -84,7 +84,8 @@ def main():
     copy_bw = copy_bandwidth()[0]
     weights = moe_sets(args.sets)
     data = moe_data(weights, w, args.distinct)
-    n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E)
+    n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E, down_nb=opts.get("down_nb"),
+                                             down_weights_a=opts.get("down_weights_a"))
     bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
     mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
         x, ids, tw, *wt, o, _timeline=b if rec else None, **opts)) for (x, ids, tw, wt, o), b in zip(data, bufs)]

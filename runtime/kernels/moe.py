@@ -13,8 +13,10 @@ case, min(P, E) groups).
 1. ``_moe_gate_up_kernel``, grid (min(P, E), ceil(I / GU_BLOCK_N)). Program (g, n) owns columns
    [n * GU_BLOCK_N, (n + 1) * GU_BLOCK_N) of Gate and the same columns of Up for expert group g:
    it gathers the group's rows of x (BF16, up to GU_BLOCK_M), streams the two E4M3 weight tiles along
-   H in GU_BLOCK_K steps (upcast to BF16, exact), and keeps two FP32 accumulators
-   acc_g += (x @ Wg^T) * s_g, acc_u += (x @ Wu^T) * s_u (one weight scale per 128 x 128 block).
+   H in GU_BLOCK_K steps (upcast to FP16 or BF16, exact), and keeps FP32 accumulators
+   acc_g += (x @ Wg^T) * s_g, acc_u += (x @ Wu^T) * s_u (one weight scale per 128 x 128 block). By
+   default (GU_WEIGHTS_A, at most 8 rows) the product is computed transposed, [Wg; Wu] @ x^T, the
+   weights as the MMA's A operand: one M = 2 x GU_BLOCK_N product per K step with x's 8 rows as N.
    Then h = SiLU(acc_g) * acc_u, and per (pair, GU_BLOCK_N-column block) a scale
    sa = amax|h| / 448; it writes E4M3(h / sa) (round to nearest even, encoded with integer
    arithmetic) and sa. The activation scale block is therefore GU_BLOCK_N = 32 columns (finer than
@@ -48,7 +50,6 @@ E4M3 -> BF16 costs an extra per-value F2F conversion, about one per weight byte.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -56,7 +57,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from ._common import check, launch_signature, mma_sync_compile, next_pow2, pdl_supported, prefetch_l2
 from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp
 from . import norm as _norm
 from .norm import load_weight, rms_scale
@@ -77,12 +78,16 @@ GU_NUM_WARPS = 4
 # kernel is issue-latency bound). Session 13, H200, same run: MoE 64.48 -> 62.30 us (38 experts),
 # 85.88 -> 79.29 us (48) with 4 stages; 3 stages 63.02 / 84.10, 2 stages 66.85 / 82.56.
 GU_UNROLL = 2
-# v1 Gate/Up operand order (keyword gu_swap): 0 = x [rows, K] times the Gate and Up tiles transposed
-# (two mma.sync products per K step); 2 = the Gate and Up rows as one [2 x BLOCK_N, K] operand times
-# x transposed (one M = 64 product: wgmma with the converted weights as its register A operand, x^T
-# from shared memory). sm_90 compile of the loop: 351 -> 295 instructions per iteration, 124 -> 15
-# register moves, 56 KiB of shared memory at 3 stages (4 stages: 80 KiB, two programs per SM).
-GU_SWAP = 0
+# v1 Gate/Up operand order (keyword gu_weights_a). True (since session 23): the Gate and Up rows of the
+# program's columns as one [2 x BLOCK_N, K] A operand times x transposed (B: at most 8 rows, so no
+# padding of the rows to 16), lowered to mma.sync (``mma_sync_compile``: Triton would pick wgmma for
+# this M = 64 product, and a wgmma waited for before each K step's scale lost in session 22). The
+# converted weights land in the MMA's A registers; x's fragments need few moves. sm_90 loop (two K
+# steps): 209 instructions against 351, 16 HMMA against 32, 30 register moves against 114, 60 KiB of
+# shared memory against 72. H200: MoE 0.965-0.973 of the x-as-A time (38 experts), 0.98 (48); q1
+# step 0.981-0.983 (experiments/notes/kernels.md, session 23). False: x [rows, K] times the Gate and
+# Up tiles transposed, two products per K step (the form before; also used above 8 rows).
+GU_WEIGHTS_A = True
 # Two ways of balancing the Gate/Up's bytes over the SMs were built and measured slower (session 22,
 # experiments/notes/kernels.md; patches in experiments/results/kernels_s22/rejected/): K shares per
 # column block summed by the last to arrive (MoE 1.11-1.38x) and a stream-K grid of three programs per
@@ -107,10 +112,14 @@ DOWN_NB = 8
 # multiplied back.
 DOWN_F16 = True
 DOWN_WIDE_NUM_STAGES = 3
-# Wide Down operand order (keyword down_swap): False = activations [pairs, I] times the weight tile
-# transposed; True = the weight tile [128, I] times the activations transposed (8 pairs), lowered
-# to mma.sync (``_no_wgmma``).
-DOWN_SWAP = False
+# Wide Down operand order (keyword down_weights_a): True (since session 23) = the weight tile [128, I]
+# times the activations transposed (at most 8 pairs), on mma.sync like the Gate/Up: 148 registers
+# against 218, so three programs per SM instead of two, and then 6 column blocks per program
+# (DOWN_NB_WEIGHTS_A; 8 keeps the x-as-A form's DOWN_NB). H200, session 23 (on top of the Gate/Up's
+# weights-A form): MoE 0.994 of the x-as-A Down's time at 38 experts, 0.90 at 48 (its 288 programs
+# then fit in one wave); q1 step 0.994 / 0.996 (8K / 64K). With 8 blocks: 1.009 / 0.91, step 1.007.
+DOWN_WEIGHTS_A = True
+DOWN_NB_WEIGHTS_A = 6
 # Warps of the reduce with the norm fused (``norm=``): the add + RMSNorm kernel's 16, so that the last
 # program's sum of squares over the row has that kernel's layout and order.
 RED_NORM_NUM_WARPS = 16
@@ -233,7 +242,7 @@ def _moe_gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, N_KB: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, SWAP: tl.constexpr = 0,
+    WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
@@ -263,19 +272,17 @@ def _moe_gate_up_kernel(
         s_g = s_base + (offs_n // 128) * stride_sn
         s_u = s_base + ((offs_n + I) // 128) * stride_sn
         x_ptr = X + tok[:, None] * stride_xm
-        if SWAP == 0:
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        elif SWAP == 1:
-            acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        else:   # Gate and Up rows as one 2 BLOCK_N-row operand (3: the same, x^T with 8 rows)
+        if WEIGHTS_A:   # the Gate rows, then the Up rows of the same columns: one [2 BLOCK_N, K] operand
             r2 = tl.arange(0, 2 * BLOCK_N)
-            rows2 = nb * BLOCK_N + (r2 % BLOCK_N) + (r2 // BLOCK_N) * I
-            ok2 = ((r2 % BLOCK_N) + nb * BLOCK_N) < I
+            cols2 = nb * BLOCK_N + r2 % BLOCK_N
+            rows2 = cols2 + (r2 // BLOCK_N) * I
+            ok2 = cols2 < I
             w_2 = W13 + expert.to(tl.int64) * stride_we + rows2[:, None] * stride_wn
             s_2 = s_base + (rows2 // 128) * stride_sn
             acc2 = tl.zeros([2 * BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k00 in range(0, H, BLOCK_K * UNROLL):   # UNROLL K steps per iteration (same products, same order)
             for u in tl.static_range(UNROLL):
                 k0 = k00 + u * BLOCK_K
@@ -286,13 +293,7 @@ def _moe_gate_up_kernel(
                     kb = (kb + 1) % N_KB
                 x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 x = x.to(op_ty)
-                if SWAP == 4:   # batched: [Gate; Up] x [x^T; x^T]
-                    w2t = tl.load(w_2 + kk[None, :], mask=ok2[:, None] & k_ok[None, :], other=0.0)
-                    s2t = tl.load(s_2 + kb * stride_sk, mask=ok2 & (k0 < H), other=0.0)
-                    w3 = tl.reshape(w2t.to(op_ty), [2, BLOCK_N, BLOCK_K])
-                    x3 = tl.broadcast_to(tl.trans(x)[None, :, :], [2, BLOCK_K, BLOCK_M])
-                    acc2 += tl.reshape(tl.dot(w3, x3), [2 * BLOCK_N, BLOCK_M]) * s2t[:, None]
-                elif SWAP >= 2:
+                if WEIGHTS_A:
                     w2t = tl.load(w_2 + kk[None, :], mask=ok2[:, None] & k_ok[None, :], other=0.0)
                     s2t = tl.load(s_2 + kb * stride_sk, mask=ok2 & (k0 < H), other=0.0)
                     acc2 += tl.dot(w2t.to(op_ty), tl.trans(x)) * s2t[:, None]
@@ -301,16 +302,9 @@ def _moe_gate_up_kernel(
                     wu = tl.load(w_u + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                     sg = tl.load(s_g + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
                     su = tl.load(s_u + kb * stride_sk, mask=n_ok & (k0 < H), other=0.0)
-                    if SWAP == 0:
-                        acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
-                        acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
-                    else:
-                        acc_g += tl.dot(wg.to(op_ty), tl.trans(x)) * sg[:, None]
-                        acc_u += tl.dot(wu.to(op_ty), tl.trans(x)) * su[:, None]
-        if SWAP == 1:
-            acc_g = tl.trans(acc_g)
-            acc_u = tl.trans(acc_u)
-        elif SWAP >= 2:
+                    acc_g += tl.dot(x, tl.trans(wg.to(op_ty))) * sg[None, :]
+                    acc_u += tl.dot(x, tl.trans(wu.to(op_ty))) * su[None, :]
+        if WEIGHTS_A:   # [2 BLOCK_N, rows] -> Gate and Up as [rows, BLOCK_N]
             acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc2, [2, BLOCK_N, BLOCK_M]), [2, 1, 0]))
         ok = row_ok[:, None] & n_ok[None, :]
         bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
@@ -361,7 +355,8 @@ def _moe_down_wide_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
     F16: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0, SWAP: tl.constexpr = False,
+    NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
+    WEIGHTS_A: tl.constexpr = False,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
@@ -415,7 +410,7 @@ def _moe_down_wide_kernel(
             s_ptr = s_base + (offs_n // 128) * stride_sn
             w0 = tl.load(w_ptr + offs_k[None, :], mask=n_ok[:, None] & k0_ok[None, :], other=0.0)
             sw0 = tl.load(s_ptr + kb0 * stride_sk, mask=n_ok, other=0.0)
-            if SWAP:   # weights as the A operand: [BLOCK_N, K] x [K, pairs]
+            if WEIGHTS_A:   # the weight tile as the A operand: [BLOCK_N, K] x [K, pairs]
                 acc = tl.dot(w0.to(op_ty), tl.trans(a0)) * sw0[:, None]
                 if I > 128:
                     w1 = tl.load(w_ptr + k1[None, :], mask=n_ok[:, None] & k1_ok[None, :], other=0.0)
@@ -665,44 +660,24 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     return w, H, E, I, topk_ids.shape[1]
 
 
-@contextlib.contextmanager
-def _no_wgmma(on: bool):
-    """While a launch compiles its kernel: keep Triton from choosing wgmma (MMA v3) for its dots,
-    so that an M = 64 product is lowered to mma.sync (``DISABLE_MMA_V3``, one of Triton's
-    cache-invalidating compile switches, so the on-disk cache keeps the two builds apart). Only the
-    first launch of a specialisation compiles; later ones find it in the JIT's cache."""
-    if not on:
-        yield
-        return
-    old = os.environ.get("DISABLE_MMA_V3")
-    os.environ["DISABLE_MMA_V3"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["DISABLE_MMA_V3"]
-        else:
-            os.environ["DISABLE_MMA_V3"] = old
-
-
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
-                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None, swap=None,
-                    maxnreg=None):
-    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``tl_buf``: timeline records (diagnostics)."""
+                    block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
+                    weights_a=False, maxnreg=None):
+    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``weights_a``: the weights as the
+    MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
-    swap = GU_SWAP if swap is None else int(swap)
-    with _no_wgmma(swap == 3):
+    with mma_sync_compile(weights_a):
         _moe_gate_up_kernel[grid](
             x, ids, w13, s13, act.view(torch.uint8), act_scale,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
             act.stride(0), act_scale.stride(0), P,
             H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
-            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if swap >= 3 else GU_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=block_n,
             BLOCK_K=GU_BLOCK_K, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
             # (the default unroll was measured at the default width; at 64 columns two steps spill)
             UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
-            SWAP=swap, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
+            WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
             num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
             **({"launch_pdl": True} if wait else {}),
             **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
@@ -725,22 +700,22 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
 
 def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
                       act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0,
-                      swap=None):
-    """v1 Down with ``nb`` column blocks per program (one launch; I <= 256)."""
+                      weights_a=False):
+    """v1 Down with ``nb`` column blocks per program (one launch; I <= 256); ``weights_a``: the weight
+    tile as the MMA's A operand (at most 8 pairs per expert)."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
-    swap = DOWN_SWAP if swap is None else bool(swap)
-    with _no_wgmma(swap):
+    with mma_sync_compile(weights_a):
         _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
             act, act_scale, ids, w2, s2, y,
             act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
             s2.stride(2), y.stride(0), P,
             H=H, I=I, N_KB=s2.shape[2],
-            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if swap else GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
+            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
             ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
             F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
             NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
-            SWAP=swap, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+            WEIGHTS_A=weights_a, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
         )
 
 
@@ -802,10 +777,16 @@ def _launch_down_v2(act, act_scale, ids, tw, groups, w2, s2, dpart, cnt, out, *,
     )
 
 
-def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None):
+def _down_form(w, I, down_nb=None, down_weights_a=None):
+    """(weights as the A operand, output column blocks per program) of the v1 Down for these options."""
+    dwa = (DOWN_WEIGHTS_A and w <= 8) if down_weights_a is None else bool(down_weights_a)
+    return dwa, int(down_nb or ((DOWN_NB_WEIGHTS_A if dwa else DOWN_NB) if I <= 256 else 1))
+
+
+def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None, down_weights_a=None):
     """(Gate/Up, wide Down, reduce) program counts of a v1 call: the ``_timeline`` records' layout."""
     P = w * topk
-    nb = down_nb or DOWN_NB
+    nb = _down_form(w, I, down_nb, down_weights_a)[1]
     return (min(P, E) * triton.cdiv(I, GU_BLOCK_N), min(P, E) * triton.cdiv(H, DOWN_BLOCK_N * nb),
             w * triton.cdiv(H, red_block_h or RED_BLOCK_H))
 
@@ -820,7 +801,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_swap=None, down_swap=None):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -829,8 +810,11 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     check(variant in ("v1", "v2"), f"variant {variant!r}: 'v1' or 'v2'")
     P = w * topk
     check(P <= 64 and w <= GU_BLOCK_M, "at most 64 (row, expert) pairs and 16 rows")
-    check(w <= 8 or ((GU_SWAP if gu_swap is None else gu_swap) < 3 and not (DOWN_SWAP if down_swap is None else down_swap)),
-          "gu_swap >= 3 / down_swap: at most 8 rows")
+    # the weights as the A operand (default or asked for) take at most 8 rows; above 8 the default
+    # falls back to x as the A operand
+    gwa = (GU_WEIGHTS_A and w <= 8) if gu_weights_a is None else bool(gu_weights_a)
+    dwa, nb = _down_form(w, I, down_nb, down_weights_a)
+    check(w <= 8 or not (gwa or dwa), "gu_weights_a / down_weights_a: at most 8 rows")
     ids = topk_ids.to(torch.int32).contiguous()
     tw = topk_weights.contiguous()
     dev = x.device
@@ -846,7 +830,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         check(not _drop_split, "_drop_split is a v2 control")
         # the wide Down holds the whole expert width (I <= 256, a q1 shard under TP >= 8) in one
         # program; wider experts (unsharded q1) keep one column block per program by default
-        nb = int(down_nb or (DOWN_NB if I <= 256 else 1))
+        # (nb from _down_form above)
         check(nb >= 1, "down_nb >= 1")
         y = torch.empty((P, H), device=dev, dtype=torch.float32)
         if norm is not None:
@@ -874,7 +858,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
-                                                no_wait=_gu_no_wait, tl_buf=_timeline, swap=gu_swap,
+                                                no_wait=_gu_no_wait, tl_buf=_timeline, weights_a=gwa,
                                                 maxnreg=gu_maxnreg)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
@@ -882,7 +866,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait,
-                                        tl_buf=_timeline, tl_base=n_gu, swap=down_swap))),
+                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
                                               norm_bug=_norm_bug, weight_first=norm_weight_first,
                                               tl_buf=_timeline, tl_base=n_gu + n_dn)),
@@ -928,8 +912,11 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     launches); default ``MOE_VARIANT``. ``gu_num_stages`` / ``down_num_stages``: pipeline stages. v2 options: ``gu_split_k`` (default GU2_SPLIT_K),
     ``down_split_e`` (DOWN2_SPLIT_E), ``counters`` (a persistent int32 zero buffer of
     ``counters_size(...)`` entries, left zero by each call; otherwise one is zeroed per call),
-    ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG).
-    v1 options: ``down_nb`` (output column blocks per Down program; default DOWN_NB; > 1 selects the
+    ``gu_maxnreg`` (register cap of the Gate/Up kernel, e.g. 128; default GU2_MAXNREG in v2, none in v1).
+    v1 options: ``gu_weights_a`` / ``down_weights_a`` (the weights as the MMA's A operand of the
+    Gate/Up / the wide Down, at most 8 rows; defaults GU_WEIGHTS_A / DOWN_WEIGHTS_A, off above 8
+    rows); ``down_nb`` (output column blocks per Down program; default DOWN_NB_WEIGHTS_A or DOWN_NB
+    by the Down's operand order, 1 where I > 256; > 1 selects the
     pipelined wide Down kernel); ``gu_f16`` / ``down_f16`` (FP16 instead of BF16 operands in Gate/Up /
     in the wide Down; defaults GU_F16 / DOWN_F16); ``gu_block_n`` (Gate/Up columns per program, also
     the activation-scale block; default GU_BLOCK_N); ``pdl`` (programmatic dependent launch of the

@@ -275,17 +275,18 @@ def test_q1_shard_wide_down(w, kind, nb):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(gu_num_stages=3), dict(gu_num_stages=4), dict(gu_unroll=1, gu_num_stages=6),
-                                  dict(gu_num_stages=4, down_swap=True)])
+@pytest.mark.parametrize("opts", [dict(gu_weights_a=False), dict(gu_num_stages=3), dict(gu_unroll=1, gu_num_stages=6),
+                                  dict(down_weights_a=False), dict(gu_weights_a=False, down_weights_a=False),
+                                  dict(down_nb=8)])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
-def test_q1_shard_gate_up_swapped(w, kind, opts):
-    """gu_swap = 3 (Gate and Up rows as one mma.sync operand times x transposed, 8 rows) against the reference;
-    negative control: the wrong weight-scale block."""
+def test_q1_shard_operand_orders(w, kind, opts):
+    """Both operand orders of the Gate/Up and the wide Down (gu_weights_a / down_weights_a: the
+    weights as the MMA's A operand, the defaults; False: x / the activations, the forms before
+    session 23) against the reference; negative control: the wrong weight-scale block."""
     M = load_kernels("moe")
-    errs = run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), gu_swap=3, **opts)
+    errs = run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), **opts)
     assert _ok(errs), errs
-    assert _rejected(run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), gu_swap=3, _scale_bug=True,
-                              **opts))
+    assert _rejected(run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), _scale_bug=True, **opts))
 
 
 @pytest.mark.gpu
@@ -322,17 +323,17 @@ def down_case(M, shape, w, kind, seed, weights=None, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nb,stages,f16,swap", [(8, None, True, False), (4, 2, True, False), (12, 4, True, False),
-                                                (5, 3, False, False), (8, None, True, True), (4, 2, True, True),
-                                                (5, 3, False, True)])
+@pytest.mark.parametrize("nb,stages,f16,w_a", [(8, None, True, False), (4, 2, True, False), (12, 4, True, False),
+                                              (5, 3, False, False), (8, None, True, True), (4, 2, True, True),
+                                              (5, 3, False, True)])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same")])
-def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16, swap):
+def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16, w_a):
     """The wide Down alone against the exact sum of its products: only the operands' rounding (FP16:
     each activation rounded to 11 bits after the pair's scale, H200 session 18: 2.1-2.3e-4; BF16: 8
-    bits) and FP32 accumulation are left, far below the whole MoE's tolerance. Negative control: the
-    wrong weight scale block."""
+    bits) and FP32 accumulation are left, far below the whole MoE's tolerance; both operand orders
+    (w_a: the weight tile as the MMA's A operand). Negative control: the wrong weight scale block."""
     M = load_kernels("moe")
-    kw = dict(nb=nb, num_stages=stages, f16=f16, swap=swap)
+    kw = dict(nb=nb, num_stages=stages, f16=f16, weights_a=w_a)
     assert down_case(M, Q1, w, kind, seed=40 + w + nb, weights=_q1_weights(), **kw) < TOL_DOWN[f16]
     assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
 
@@ -437,22 +438,23 @@ def test_interp_mini_gu_block_n(bn):
 
 
 @cpu_only
-@pytest.mark.parametrize("nb,w,kind,f16,swap", [(2, 4, "random", True, False), (3, 6, "shared", False, False),
-                                                (2, 8, "same", True, True), (3, 6, "shared", False, True)])
-def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16, swap):
+@pytest.mark.parametrize("nb,w,kind,f16,w_a", [(2, 4, "random", True, False), (3, 6, "shared", False, False),
+                                               (2, 8, "same", True, True), (3, 6, "shared", False, True)])
+def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16, w_a):
     M = load_kernels("moe")
-    assert down_case(M, MINI, w, kind, seed=w, nb=nb, f16=f16, swap=swap) < TOL_DOWN[f16]
-    assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, swap=swap, scale_bug=True) > TOL_EMU
+    assert down_case(M, MINI, w, kind, seed=w, nb=nb, f16=f16, weights_a=w_a) < TOL_DOWN[f16]
+    assert down_case(M, MINI_I, w, kind, seed=5, nb=nb, f16=f16, weights_a=w_a, scale_bug=True) > TOL_EMU
 
 
 @cpu_only
-@pytest.mark.parametrize("opts,shape,w,kind", [(dict(), MINI, 6, "shared"), (dict(gu_num_stages=3), MINI_K, 8, "same"),
-                                               (dict(gu_unroll=1), MINI, 4, "random")])
-def test_interp_gate_up_swapped(opts, shape, w, kind):
-    """gu_swap = 3 on the interpreter; the wrong weight-scale block is caught."""
+@pytest.mark.parametrize("opts,shape,w,kind", [(dict(gu_weights_a=False), MINI, 6, "shared"),
+                                               (dict(gu_num_stages=3), MINI_K, 8, "same"),
+                                               (dict(gu_unroll=1, down_weights_a=False), MINI, 4, "random")])
+def test_interp_operand_orders(opts, shape, w, kind):
+    """Both operand orders on the interpreter; the wrong weight-scale block is caught."""
     M = load_kernels("moe")
-    assert _ok(run_case(M, shape, w, kind, seed=3, gu_swap=3, **opts))
-    assert _rejected(run_case(M, shape, w, kind, seed=3, gu_swap=3, _scale_bug=True, **opts))
+    assert _ok(run_case(M, shape, w, kind, seed=3, **opts))
+    assert _rejected(run_case(M, shape, w, kind, seed=3, _scale_bug=True, **opts))
 
 
 @cpu_only

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 23 device driver (run from the repository root on the GPU machine): $1 = call name.
 # STEPS (in order, each with its own log under $OUT/$1):
-#   gtest  python3 -m pytest -q -m gpu $GTESTS -k "$GK"   (the -k expression quoted)
+#   gtest  python3 -m pytest -q -m gpu -n 8 --dist loadfile $GTESTS [-k "$GK" if GK is set]
 #   abmoe  experiments/ab_moe.py --configs $MOECFG --distinct $MOEDIST --rounds $MOEROUNDS
 #   tlmoe  experiments/timeline_moe.py $TLMOE
 #   stepb  experiments/bench_step.py --budget-s $STEPBUDGET --no-mini --contexts 8192,65536 --ab $STEPAB
@@ -15,7 +15,7 @@ for s in $STEPS; do
   case $s in
     gtest)
       timeout ${GTIMEOUT:-240} python3 -m pytest -q -m gpu -n ${GN:-8} --dist loadfile ${GTESTS:-tests/kernels/test_moe.py} \
-        -k "${GK:-swapped}" > $O/gtest.log 2>&1; tail -5 $O/gtest.log;;
+        ${GK:+-k "$GK"} > $O/gtest.log 2>&1; tail -5 $O/gtest.log;;
     abmoe)
       OUT=$O/abmoe timeout ${MOETIMEOUT:-300} python3 experiments/ab_moe.py --configs $MOECFG --distinct ${MOEDIST:-38} \
         --rounds ${MOEROUNDS:-20} > $O/abmoe.log 2>&1; grep -v Warn $O/abmoe.log | tail -30;;
