@@ -26,3 +26,30 @@ def test_critical_path_charges_gaps_and_exposed_time():
 def test_host_pauses_are_not_launch_gaps():
     got = critical_path([(0, 1, "a"), (1 + HOST_GAP_US, 1, "b"), (2 + HOST_GAP_US + 0.5, 1, "b")])
     assert got["b"][3] == 0.5 and got["b"][2] == 2
+
+
+def test_sass_loop_picks_the_backward_branch_with_the_most_mmas():
+    """``experiments/sass_loop.py``'s loop finder: of two backward branches it takes the body with the
+    MMAs, ignores forward branches, and counts predicated instructions by opcode; a listing without a
+    backward branch has no loop (negative side)."""
+    from sass_loop import hot_loop, opcode_mix
+
+    def ins(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;   /* 0x0 */"
+
+    sass = "\n".join([
+        ins(0x00, "MOV R1, c[0x0][0x28]"),
+        ins(0x10, "IADD3 R2, R2, 0x1, RZ"),
+        ins(0x20, "@!P0 BRA 0x10"),                    # a loop without MMAs
+        ins(0x30, "LDS.64 R4, [R3]"),
+        ins(0x40, "HMMA.16816.F32 R8, R4, R6, R8"),
+        ins(0x50, "@P1 BRA 0x80"),                     # forward: not a loop
+        ins(0x60, "HMMA.16816.F32 R8, R4, R6, R8"),
+        ins(0x70, "@!P2 BRA 0x30"),                    # the MMA loop
+        ins(0x80, "EXIT"),
+    ])
+    body = hot_loop(sass)
+    assert len(body) == 5 and body[0].startswith("LDS.64") and body[-1].startswith("@!P2 BRA")
+    mix = opcode_mix(body)
+    assert mix["HMMA.16816.F32"] == 2 and mix["BRA"] == 2 and mix["LDS.64"] == 1
+    assert hot_loop("\n".join([ins(0x00, "HMMA.16816.F32 R8, R4, R6, R8"), ins(0x10, "BRA 0x20")])) == []

@@ -5,7 +5,6 @@ two copies of the package can be imported side by side.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -49,27 +48,6 @@ def cached_counters(cache: dict, device: torch.device, n: int, what: str, min_si
               f"{what}: first call inside a CUDA-graph capture; call it once eagerly first")
         buf = cache[key] = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
     return buf
-
-
-@contextlib.contextmanager
-def mma_sync_compile(on: bool = True):
-    """Around a launch: if it compiles its kernel, Triton lowers the kernel's dots to mma.sync
-    (MMA v2) even where it would pick wgmma (an M = 64 product with 4 warps on sm_90). Triton's
-    ``DISABLE_MMA_V3`` compile switch, set only while the launch runs and restored after; it is one
-    of Triton's cache-invalidating variables, so the on-disk cache keeps the two builds apart. Only
-    the first launch of a specialisation compiles; later ones find the build in the JIT's cache."""
-    if not on:
-        yield
-        return
-    old = os.environ.get("DISABLE_MMA_V3")
-    os.environ["DISABLE_MMA_V3"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DISABLE_MMA_V3", None)
-        else:
-            os.environ["DISABLE_MMA_V3"] = old
 
 
 def check(cond: bool, msg: str) -> None:

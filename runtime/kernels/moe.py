@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, launch_signature, mma_sync_compile, next_pow2, pdl_supported, prefetch_l2
+from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
 from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp
 from . import norm as _norm
 from .norm import load_weight, rms_scale
@@ -80,9 +80,10 @@ GU_NUM_WARPS = 4
 GU_UNROLL = 2
 # v1 Gate/Up operand order (keyword gu_weights_a). True (since session 23): the Gate and Up rows of the
 # program's columns as one [2 x BLOCK_N, K] A operand times x transposed (B: at most 8 rows, so no
-# padding of the rows to 16), lowered to mma.sync (``mma_sync_compile``: Triton would pick wgmma for
-# this M = 64 product, and a wgmma waited for before each K step's scale lost in session 22). The
-# converted weights land in the MMA's A registers; x's fragments need few moves. sm_90 loop (two K
+# padding of the rows to 16). Triton 3.6 lowers this M = 64, N = 8 product to mma.sync (with x
+# padded to 16 rows it chose wgmma, whose wait before each K step's scale lost in session 22; the
+# sm_90 compile test checks that no wgmma appears). The converted weights land in the MMA's A
+# registers; x's fragments need few moves. sm_90 loop (two K
 # steps): 209 instructions against 351, 16 HMMA against 32, 30 register moves against 114, 60 KiB of
 # shared memory against 72. H200: MoE 0.965-0.973 of the x-as-A time (38 experts), 0.98 (48); q1
 # step 0.981-0.983 (experiments/notes/kernels.md, session 23). False: x [rows, K] times the Gate and
@@ -667,21 +668,20 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
     MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
-    with mma_sync_compile(weights_a):
-        _moe_gate_up_kernel[grid](
-            x, ids, w13, s13, act.view(torch.uint8), act_scale,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-            act.stride(0), act_scale.stride(0), P,
-            H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
-            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=block_n,
-            BLOCK_K=GU_BLOCK_K, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
-            # (the default unroll was measured at the default width; at 64 columns two steps spill)
-            UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
-            WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
-            num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
-            **({"launch_pdl": True} if wait else {}),
-            **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
-        )
+    _moe_gate_up_kernel[grid](
+        x, ids, w13, s13, act.view(torch.uint8), act_scale,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
+        act.stride(0), act_scale.stride(0), P,
+        H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=GU_BLOCK_K, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
+        # (the default unroll was measured at the default width; at 64 columns two steps spill)
+        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
+        WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
+        num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
+        **({"launch_pdl": True} if wait else {}),
+        **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
+    )
 
 
 def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bug=False, act_block=GU_BLOCK_N):
@@ -705,18 +705,17 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
     tile as the MMA's A operand (at most 8 pairs per expert)."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
-    with mma_sync_compile(weights_a):
-        _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
-            act, act_scale, ids, w2, s2, y,
-            act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-            s2.stride(2), y.stride(0), P,
-            H=H, I=I, N_KB=s2.shape[2],
-            BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
-            ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
-            F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
-            NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
-            WEIGHTS_A=weights_a, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
-        )
+    _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
+        act, act_scale, ids, w2, s2, y,
+        act.stride(0), act_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        s2.stride(2), y.stride(0), P,
+        H=H, I=I, N_KB=s2.shape[2],
+        BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
+        ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
+        F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
+        NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
+        WEIGHTS_A=weights_a, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+    )
 
 
 def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None,

@@ -75,12 +75,19 @@ EARLY_LOADS = {"_router_kernel": "WEIGHTS_FIRST", "_add_rmsnorm_kernel": "WEIGHT
                "_moe_reduce_kernel": "WEIGHT_FIRST"}
 
 
+# Launches whose products must be mma.sync (``_common.mma_sync_compile``), never wgmma: (kernel -> keyword).
+MMA_SYNC = {"_moe_gate_up_kernel": "WEIGHTS_A", "_moe_down_wide_kernel": "WEIGHTS_A"}
+
+
 def ptx_problems(sink) -> list[str]:
     """A keyword switched on must show in the PTX, and switched off must not (where nothing else
-    emits that instruction): the options really change the code."""
+    emits that instruction): the options really change the code. The weights-as-A MoE launches must
+    multiply on mma.sync: Triton would pick wgmma for their M = 64 products without the switch."""
     out = []
     for name, grid, kernel, kwargs in sink:
         ptx = kernel.asm["ptx"]
+        if kwargs.get(MMA_SYNC.get(name, "")) and ("wgmma" in ptx or "mma.sync" not in ptx):
+            out.append(f"{name} {grid}: {MMA_SYNC[name]}=True but its products are not (only) mma.sync")
         for kname, key, mark in PTX_MARKS:
             if name != kname or key not in kwargs or (key == "TAIL_PREFETCH" and kwargs.get("IS_RING")):
                 continue   # (rings have no boundary blocks: no tail prefetch)
@@ -156,6 +163,9 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             for u, st in ((2, 3), (2, 4)):                      # two K steps per Gate/Up iteration
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_unroll=u,
                                 gu_num_stages=st)
+            for gwa, dwa in ((False, False), (False, True), (True, False)):   # the MMA's A operand: x or
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug,   # the weights
+                                gu_weights_a=gwa, down_weights_a=dwa)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
             for first in (True, False):                         # + add + norm (its weight before the wait)

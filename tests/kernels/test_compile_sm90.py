@@ -58,6 +58,11 @@ def test_ptx_marks_catch_an_option_that_changes_nothing():
            (name, (1,), _K("cp.async.bulk.tensor.2d"), dict(TMA=False)),
            (name, (1,), _K("ld.global"), dict(PDL=True))]
     assert len(ptx_problems(bad)) == 3
+    gu = "_moe_gate_up_kernel"   # the weights-as-A products on mma.sync, never wgmma
+    assert ptx_problems([(gu, (1,), _K("mma.sync.aligned.m16n8k16"), dict(WEIGHTS_A=True)),
+                         (gu, (1,), _K("wgmma.mma_async"), dict(WEIGHTS_A=False))]) == []
+    assert len(ptx_problems([(gu, (1,), _K("wgmma.mma_async.sync.aligned"), dict(WEIGHTS_A=True)),
+                             ("_moe_down_wide_kernel", (1,), _K("ld.global"), dict(WEIGHTS_A=True))])) == 2
 
 
 def test_stack_allowance_only_for_the_fp64_trig_launches():
