@@ -290,6 +290,9 @@ AB_VARIANTS = {
     # skinny_linear with the L2 prefetch of its weight before its wait (session 14: slower, off by
     # default; call 4 measured its absence as "linear_no_prefetch" when it was on)
     "linear_prefetch": lambda rnd: _skinny(rnd, prefetch=True),
+    # the projections with x as the MMA's A operand (skinny_linear weights_a=False; the weight tile as
+    # the A operand by default since session 23)
+    "linear_x_a": lambda rnd: _skinny(rnd, weights_a=False),
     # the router and Gate/Up launched plainly (not programmatic dependents of the norm / the router)
     "router_gu_plain": lambda rnd: _model_variant(rnd, moe_pdl=False, _moe_options={**rnd.model._moe_options,
                                                                                     "gu_pdl": False}),

@@ -18,7 +18,8 @@ Algorithm (``_linear_kernel``, grid (N / BLOCK_N, SPLIT_K))
 ----------------------------------------------------------
 Program (n, s) owns output columns [n * BLOCK_N, (n + 1) * BLOCK_N) and the s-th slice of K
 (K_SLICE = K / SPLIT_K columns): a software-pipelined loop of BLOCK_K steps of x [16, BLOCK_K]
-against W [BLOCK_N, BLOCK_K] (tensor cores, FP32 accumulation). With SPLIT_K = 1 it writes y
+against W [BLOCK_N, BLOCK_K] (tensor cores, FP32 accumulation; at most 8 rows, by default, as
+W [BLOCK_N, BLOCK_K] times x^T [BLOCK_K, 8]: WEIGHTS_A). With SPLIT_K = 1 it writes y
 (BF16). Otherwise it stores its FP32 partial, takes a ticket on the column block's arrival counter
 (release/acquire, after a CTA barrier), and the last of the SPLIT_K programs sums the partials in
 slice order (deterministic) and writes y, then re-zeroes the counter (CUDA-graph replays).
@@ -43,6 +44,13 @@ NUM_WARPS = 4
 PDL = True          # programmatic dependent launch (session 14, q1 step A/B: 1.2-2.0 % of the step)
 PREFETCH = False    # the weight tile asked of L2 before the wait (session 14: the step 0.6-1.2 % slower)
 MAX_ROWS = BLOCK_M
+# The weight tile as the MMA's A operand times x^T (8 rows as N, no padding to 16), where M <= 8
+# (keyword weights_a; the MoE's form since session 23). sm_90 compile: 768 against 816 instructions
+# (Q/K/V tiling), 544 against 616 (output projection). H200, session 23 (q1 step A/B, alternating
+# graphs, then measured as the variant against x as A): 0.9953 [0.9939, 0.9976] (8K), 0.9962
+# [0.9944, 0.9988] (64K); `bench_step.py --ab linear_x_a` now measures the other way. False (and
+# above 8 rows always): x [16 padded rows, K] times the tile transposed.
+WEIGHTS_A = True
 
 
 @triton.jit(do_not_specialize=["M"], launch_metadata=launch_signature)
@@ -50,7 +58,7 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                    N: tl.constexpr, K_SLICE: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
-                   DROP_BUG: tl.constexpr = False, NO_WAIT: tl.constexpr = False):
+                   DROP_BUG: tl.constexpr = False, NO_WAIT: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,12 +76,20 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if WEIGHTS_A:   # the weight tile as the MMA's A operand: [BLOCK_N, K] x [K, rows]
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     start = BLOCK_K if DROP_BUG else 0   # negative control: the first K step of every slice skipped
     for kk in range(start, K_SLICE, BLOCK_K):
         x = tl.load(X + offs_m[:, None] * stride_x + (k0 + kk + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
         w = tl.load(w_rows + (k0 + kk + offs_k)[None, :])
-        acc += tl.dot(x, tl.trans(w))
+        if WEIGHTS_A:
+            acc_t += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if WEIGHTS_A:
+        acc = tl.trans(acc_t)
     y_ptrs = Y + offs_m[:, None] * stride_y + offs_n[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
@@ -127,7 +143,8 @@ def plan(N: int, K: int, sms: int) -> tuple[int, int]:
 
 
 def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, pdl=None, prefetch=None,
-                  num_stages=None, block_k=None, num_warps=None, _drop_bug=False, _poison=False, _no_wait=False):
+                  num_stages=None, block_k=None, num_warps=None, weights_a=None, _drop_bug=False, _poison=False,
+                  _no_wait=False):
     """y = x @ w^T in BF16 (FP32 accumulation) for x [M, K] BF16 (M <= 16) and w [N, K] BF16.
 
     ``out`` [M, N] BF16 to write into (row stride free). ``block_n`` / ``split_k``: the tiling
@@ -137,6 +154,8 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     ``prefetch``: with PDL, the L2 prefetch of the weight tile before the wait (default PREFETCH).
     ``num_stages`` / ``block_k`` / ``num_warps``: the pipeline's depth, K per step and warps per
     program (defaults NUM_STAGES; the largest of BLOCK_K, 64, 32, 16 that divides the slice; NUM_WARPS).
+    ``weights_a``: the weight tile as the MMA's A operand times x^T (at most 8 rows; default
+    WEIGHTS_A where M <= 8).
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests'."""
@@ -166,13 +185,15 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
     use_pf = use_pdl and compiled_cuda(dev) and (PREFETCH if prefetch is None else bool(prefetch))
     k_slice = K // split_k
+    wa = (WEIGHTS_A and M <= 8) if weights_a is None else bool(weights_a)
+    check(M <= 8 or not wa, "weights_a: at most 8 rows")
     bk = _block_k(k_slice) if block_k is None else int(block_k)
     check(bk in (16, 32, 64, 128) and k_slice % bk == 0, f"block_k {block_k}: 16-128, dividing the slice {k_slice}")
     _linear_kernel[(n_blocks, split_k)](
         x, w, out, part, counter, M, x.stride(0), w.stride(0), out.stride(0),
-        N=N, K_SLICE=k_slice, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk,
+        N=N, K_SLICE=k_slice, SPLIT_K=split_k, BLOCK_M=8 if wa else BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk,
         PDL=use_pdl, PREFETCH=use_pf, PF_CHUNK=min(1024, next_pow2(block_n * max(1, k_slice * 2 // 128))),
-        DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), num_warps=NUM_WARPS if num_warps is None else int(num_warps),
+        DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), WEIGHTS_A=wa, num_warps=NUM_WARPS if num_warps is None else int(num_warps),
         num_stages=NUM_STAGES if num_stages is None else int(num_stages),
         **({"launch_pdl": True} if use_pdl else {}),
     )

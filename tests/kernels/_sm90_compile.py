@@ -76,7 +76,7 @@ EARLY_LOADS = {"_router_kernel": "WEIGHTS_FIRST", "_add_rmsnorm_kernel": "WEIGHT
 
 
 # Launches whose products must be mma.sync (``_common.mma_sync_compile``), never wgmma: (kernel -> keyword).
-MMA_SYNC = {"_moe_gate_up_kernel": "WEIGHTS_A", "_moe_down_wide_kernel": "WEIGHTS_A"}
+MMA_SYNC = {"_moe_gate_up_kernel": "WEIGHTS_A", "_moe_down_wide_kernel": "WEIGHTS_A", "_linear_kernel": "WEIGHTS_A"}
 
 
 def ptx_problems(sink) -> list[str]:
@@ -212,6 +212,9 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                                                   (1024, 6144, 128, 1)), (True, False)):   # projections (q1: 132 SMs)
         LN.skinny_linear(torch.randn(6, K).to(bf), torch.randn(N, K).to(bf), block_n=bn, split_k=sk, pdl=pdl,
                          prefetch=pdl)
+        LN.skinny_linear(torch.randn(6, K).to(bf), torch.randn(N, K).to(bf), block_n=bn, split_k=sk, pdl=pdl,
+                         weights_a=False)                                   # x as the MMA's A operand
+    LN.skinny_linear(torch.randn(12, 6144).to(bf), torch.randn(1024, 6144).to(bf))   # 12 rows: x as A
     LN.skinny_linear(torch.randn(6, 6144).to(bf), torch.randn(1024, 6144).to(bf), block_n=128, split_k=16,
                      _drop_bug=True, _no_wait=True)
     for seed in (torch.tensor(3), 5):                                # the round's uniforms

@@ -55,6 +55,20 @@ def test_q1_and_mini_shapes_default_plan(M, K, N):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 6, 8])
+@pytest.mark.parametrize("K,N", Q1_SHAPES)
+@pytest.mark.parametrize("block_n,split_k", [(None, None), (32, 4), (64, 1), (16, 16)])
+@pytest.mark.parametrize("weights_a", [True, False])
+def test_q1_operand_orders(M, K, N, block_n, split_k, weights_a):
+    """Both operand orders (weights_a: the weight tile as the MMA's A operand times x^T, the default
+    up to 8 rows; False: x as A) against FP64 with the negative control, at the default plan and
+    other tilings."""
+    if (block_n and N % block_n) or (split_k and K % split_k):
+        pytest.skip("tiling does not divide the shape")
+    _check(load_kernels("linear"), M, K, N, seed=M + K, weights_a=weights_a, block_n=block_n, split_k=split_k)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_n,split_k", [(16, 1), (32, 4), (64, 3), (128, 6), (16, 16)])
 @pytest.mark.parametrize("pdl", [True, False])
 def test_q1_qkv_tilings(block_n, split_k, pdl):
@@ -151,13 +165,16 @@ def test_plan_and_argument_checks():
             L.skinny_linear(x, w, block_k=bk)
     with pytest.raises(ValueError):
         L.skinny_linear(torch.cat([x] * 5), w)       # 20 rows
+    with pytest.raises(ValueError):
+        L.skinny_linear(torch.cat([x] * 3), w, weights_a=True)   # 12 rows: the weights-A form takes 8
 
 
 @cpu_only
 @pytest.mark.parametrize("K,N", MINI_SHAPES)
-@pytest.mark.parametrize("tiling", ["plan", "one_slice", "every_step_a_slice"])
+@pytest.mark.parametrize("tiling", ["plan", "one_slice", "every_step_a_slice", "x_a"])
 def test_interp_mini_shapes(K, N, tiling):
     L = load_kernels("linear")
     kw = {"plan": {}, "one_slice": dict(block_n=32, split_k=1),
-          "every_step_a_slice": dict(block_n=16, split_k=K // L.BLOCK_K)}[tiling]
+          "every_step_a_slice": dict(block_n=16, split_k=K // L.BLOCK_K),
+          "x_a": dict(weights_a=False, block_n=32, split_k=2)}[tiling]
     _check(L, 5, K, N, seed=K + N, **kw)
