@@ -83,11 +83,11 @@ GU_UNROLL = 2
 # padding of the rows to 16). Triton 3.6 lowers this M = 64, N = 8 product to mma.sync (with x
 # padded to 16 rows it chose wgmma, whose wait before each K step's scale lost in session 22; the
 # sm_90 compile test checks that no wgmma appears). The converted weights land in the MMA's A
-# registers; x's fragments need few moves. sm_90 loop (two K
-# steps): 209 instructions against 351, 16 HMMA against 32, 30 register moves against 114, 60 KiB of
-# shared memory against 72. H200: MoE 0.965-0.973 of the x-as-A time (38 experts), 0.98 (48); q1
-# step 0.981-0.983 (experiments/notes/kernels.md, session 23). False: x [rows, K] times the Gate and
-# Up tiles transposed, two products per K step (the form before; also used above 8 rows).
+# registers; x's fragments need few moves. sm_90 loop (two K steps; experiments/sass_loop.py): 209
+# instructions against 351, 16 HMMA against 32, 30 register moves against 114, 60 KiB of shared
+# memory against 72. H200: MoE 0.965-0.973 of the x-as-A time (38 experts), 0.98 (48); q1 step
+# 0.981-0.983 (experiments/notes/kernels.md, session 23). False: x [rows, K] times the Gate and Up
+# tiles transposed, two products per K step (the form before; also used above 8 rows).
 GU_WEIGHTS_A = True
 # Two ways of balancing the Gate/Up's bytes over the SMs were built and measured slower (session 22,
 # experiments/notes/kernels.md; patches in experiments/results/kernels_s22/rejected/): K shares per
