@@ -75,14 +75,15 @@ EARLY_LOADS = {"_router_kernel": "WEIGHTS_FIRST", "_add_rmsnorm_kernel": "WEIGHT
                "_moe_reduce_kernel": "WEIGHT_FIRST"}
 
 
-# Launches whose products must be mma.sync (``_common.mma_sync_compile``), never wgmma: (kernel -> keyword).
+# Launches whose weights-as-A products must stay on mma.sync, never wgmma (session 22: a wgmma waited
+# for before each K step's scale lost): (kernel -> keyword).
 MMA_SYNC = {"_moe_gate_up_kernel": "WEIGHTS_A", "_moe_down_wide_kernel": "WEIGHTS_A", "_linear_kernel": "WEIGHTS_A"}
 
 
 def ptx_problems(sink) -> list[str]:
     """A keyword switched on must show in the PTX, and switched off must not (where nothing else
-    emits that instruction): the options really change the code. The weights-as-A MoE launches must
-    multiply on mma.sync: Triton would pick wgmma for their M = 64 products without the switch."""
+    emits that instruction): the options really change the code. The weights-as-A launches (MMA_SYNC)
+    must multiply on mma.sync only: a Triton that chose wgmma for their N = 8 products is caught."""
     out = []
     for name, grid, kernel, kwargs in sink:
         ptx = kernel.asm["ptx"]
