@@ -259,6 +259,72 @@ def _router(rnd: Round, **kw) -> None:
                                                        weights_first=m.router_weights_first, **kw))
 
 
+class _Patched:
+    """Module attributes replaced while the block runs (``[(module, name, value)]``), restored after."""
+
+    def __init__(self, patches):
+        self.patches, self.saved = patches, []
+
+    def __enter__(self):
+        self.saved = [(mod, name, getattr(mod, name)) for mod, name, _ in self.patches]
+        for mod, name, value in self.patches:
+            setattr(mod, name, value)
+
+    def __exit__(self, *exc):
+        for mod, name, value in self.saved:
+            setattr(mod, name, value)
+
+
+def _stale(fn, cache: dict):
+    """``fn``'s result on its first call per key shape (real values, computed during the eager
+    warm-up), then that same tensor again without launching anything."""
+    def call(*args, **kw):
+        key = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        if key not in cache:
+            cache[key] = fn(*args, **kw)
+        return cache[key]
+    return call
+
+
+def _ablate(rnd: Round, part: str) -> None:
+    """MEASUREMENT ONLY, WRONG VALUES: rnd's model skips ``part``'s launch in every layer pass (its
+    consumer reads what the warm-up left), so the A/B ratio is the most that removing the part
+    (its bytes, its chain and its launch boundary) could save in the step: the ceiling of a fusion
+    before it is built. Parts: ABLATIONS."""
+    from runtime import fast as _fast
+    m = rnd.model
+    n_qkv = (m.shard.num_heads + 2 * m.shard.num_kv_heads) * m.cfg.head_dim
+    patches, attrs, cache = [], {}, {}
+    if part == "pre_moe_norm":       # the add + RMSNorm between the output projection and the router
+        attrs["_add_norm"] = _stale(m._add_norm, cache)
+    elif part in ("qkv", "o_proj"):  # one of the two projections
+        real = m._proj
+        stale = _stale(real, cache)
+        h, nhd = m.cfg.hidden_size, m.shard.num_heads * m.cfg.head_dim
+        want = (n_qkv, h) if part == "qkv" else (h, nhd)
+        attrs["_proj"] = lambda x, w: stale(x, w) if tuple(w.shape) == want else real(x, w)
+    elif part == "rope":             # RoPE + the K/V cache write (the attention reads stale q and rows)
+        patches.append((_fast._rope, "rope_kv_write", _stale(_fast._rope.rope_kv_write, cache)))
+    elif part == "combine":          # the attention's combine (the output projection reads a stale o)
+        patches.append((_fast._attn, "_combine", lambda *a, **k: None))
+    elif part == "router":           # the router (every layer uses the warm-up's first routing)
+        patches.append((_fast._router, "route_topk", _stale(_fast._router.route_topk, cache)))
+    elif part == "moe_reduce":       # the MoE's reduce + next norm (the next layer reads a stale h)
+        patches.append((_fast._moe, "_launch_reduce", lambda *a, **k: None))
+    else:
+        raise KeyError(part)
+    _model_variant(rnd, **attrs)
+    layers = type(rnd.model)._layers_fast.__get__(rnd.model)   # the copy's, with attrs
+
+    def run(*args, **kw):
+        with _Patched(patches):
+            return layers(*args, **kw)
+    rnd.model._layers_fast = run
+
+
+ABLATIONS = ("pre_moe_norm", "qkv", "o_proj", "rope", "combine", "router", "moe_reduce")
+
+
 def _lin(spec: str) -> dict:
     """skinny_linear keywords from "st6", "st6.bn32.sk4", "st12.bk64", "st6.nw8" ("" = the defaults)."""
     keys = dict(st="num_stages", bn="block_n", sk="split_k", bk="block_k", nw="num_warps")
@@ -357,6 +423,9 @@ AB_VARIANTS = {
     **{f"attn_cw{n}": (lambda rnd, n=n: _attn_opts(rnd, combine_num_warps=n)) for n in (1, 4, 8)},
     # lin_q{Q/K/V}_o{output}: see LINEAR_VARIANTS
     **{name: (lambda rnd, q=q, o=o: _skinny_by(rnd, _lin(q), _lin(o))) for name, (q, o) in LINEAR_VARIANTS.items()},
+    # ceil_{part}: MEASUREMENT ONLY, wrong values: the part's launch skipped in every layer pass
+    # (_ablate), the ceiling of what fusing it away could save
+    **{f"ceil_{p}": (lambda rnd, p=p: _ablate(rnd, p)) for p in ABLATIONS},
 }
 
 

@@ -874,3 +874,48 @@ def test_gpu_fingerprint_sees_triton_launch_options():
     assert base != no_pdl
     assert not [o for o in no_pdl if o.startswith("triton:_attn_") and "pdl=True" in o]
     assert [o for o in base if not o.startswith("triton:")] == [o for o in no_pdl if not o.startswith("triton:")]
+
+
+# each bench_step ablation, the kernel entry point it removes, and the calls of that entry point it
+# must leave in one decode pass of the 2-layer model (the other projection stays)
+ABLATION_SKIPS = {"pre_moe_norm": ("_norm", "fused_add_rmsnorm", 0), "qkv": ("_linear", "skinny_linear", 2),
+                  "o_proj": ("_linear", "skinny_linear", 2), "rope": ("_rope", "rope_kv_write", 0),
+                  "combine": ("_attn", "_combine", 0), "router": ("_router", "route_topk", 0),
+                  "moe_reduce": ("_moe", "_launch_reduce", 0)}
+
+
+@cpu_only
+@pytest.mark.parametrize("part", sorted(ABLATION_SKIPS))
+def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, part):
+    """``experiments/bench_step.py``'s ceil_{part} variants (measurement only) remove exactly their
+    part's launches from a decode pass after the first (warm-up) one, and put the module attributes
+    back afterwards; negative control: the default model makes the calls (4 projections, 2 of each
+    other part per pass of 2 layers)."""
+    import sys
+    import types
+
+    import runtime.fast as fastmod
+    from runtime.fast import FastModel
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
+    import bench_step
+
+    assert set(ABLATION_SKIPS) == set(bench_step.ABLATIONS)
+    t = tiny_restored
+    modattr, name, left = ABLATION_SKIPS[part]
+    mod = getattr(fastmod, modattr)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        real = getattr(mod, name)
+        mp.setattr(mod, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+        spied = getattr(mod, name)
+        default = FastModel.from_model(t["bf16"])
+        verify_logits(default, t["cache"], t["st"], 8)
+        assert len(calls) == (4 if modattr == "_linear" else 2)
+        rnd = types.SimpleNamespace(model=FastModel.from_model(t["bf16"]))
+        bench_step.AB_VARIANTS[f"ceil_{part}"](rnd)
+        verify_logits(rnd.model, t["cache"], t["st"], 8)   # warm-up: stale outputs are made here
+        calls.clear()
+        verify_logits(rnd.model, t["cache"], t["st"], 8)
+        assert len(calls) == left
+        assert getattr(mod, name) is spied     # restored after the pass
