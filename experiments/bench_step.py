@@ -70,7 +70,7 @@ from runtime.speculative import DecodeState, Round  # noqa: E402
 
 T_START = time.perf_counter()
 ROWS: list[dict] = []
-PROFILES: dict[int, dict] = {}   # context -> per-kernel profile of the fast graph (--profile)
+PROFILES: dict = {}   # context (and "context arm" of --ab pairs) -> per-kernel profile (--profile)
 W, DEPTHS = 6, 5             # live rows of the verify pass; draft-layer passes (depth 1 + 2..5)
 DISTINCT_6ROWS = 38          # routed experts of a 6-row pass (the brief's working number)
 
@@ -239,7 +239,7 @@ def _attn_opts(rnd: Round, **kw) -> None:
 def _skinny(rnd: Round, **kw) -> None:
     """rnd's model with its projections on skinny_linear called with keywords ``kw``."""
     m = rnd.model
-    _model_variant(rnd, _proj=lambda x, w: skinny_linear(x, w, counter=m._linear_counter, **kw))
+    _model_variant(rnd, _proj=lambda x, w, **k: skinny_linear(x, w, counter=m._linear_counter, **kw, **k))
 
 
 def _skinny_by(rnd: Round, qkv: dict, o: dict) -> None:
@@ -247,8 +247,8 @@ def _skinny_by(rnd: Round, qkv: dict, o: dict) -> None:
     ``o`` for the output projection (told apart by their weights' shapes)."""
     m = rnd.model
     n_qkv = (m.shard.num_heads + 2 * m.shard.num_kv_heads) * m.cfg.head_dim
-    _model_variant(rnd, _proj=lambda x, w: skinny_linear(x, w, counter=m._linear_counter,
-                                                         **(qkv if w.shape[0] == n_qkv else o)))
+    _model_variant(rnd, _proj=lambda x, w, **k: skinny_linear(x, w, counter=m._linear_counter,
+                                                              **(qkv if w.shape[0] == n_qkv else o), **k))
 
 
 def _router(rnd: Round, **kw) -> None:
@@ -275,44 +275,64 @@ class _Patched:
             setattr(mod, name, value)
 
 
-def _stale(fn, cache: dict):
-    """``fn``'s result on its first call per key shape (real values, computed during the eager
-    warm-up), then that same tensor again without launching anything."""
+def _stale(fn, cache: dict, key=None):
+    """``fn``'s result on its first call per key (by default the shapes of its tensor arguments),
+    computed with real values during the eager warm-up, then that same tensor again without
+    launching anything."""
     def call(*args, **kw):
-        key = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-        if key not in cache:
-            cache[key] = fn(*args, **kw)
-        return cache[key]
+        k = key(*args) if key else tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        if k not in cache:
+            cache[k] = fn(*args, **kw)
+        return cache[k]
     return call
 
 
-def _ablate(rnd: Round, part: str) -> None:
-    """MEASUREMENT ONLY, WRONG VALUES: rnd's model skips ``part``'s launch in every layer pass (its
-    consumer reads what the warm-up left), so the A/B ratio is the most that removing the part
-    (its bytes, its chain and its launch boundary) could save in the step: the ceiling of a fusion
-    before it is built. Parts: ABLATIONS."""
+_ROUTES: dict = {}   # (rows, router weight's address) -> (ids, weights): the routing ceil_router replays
+
+
+def _ablate(rnd: Round, *parts: str) -> None:
+    """MEASUREMENT ONLY, WRONG VALUES: rnd's model skips ``parts``' launches in every layer pass (their
+    consumers read what the warm-up left, or garbage), so an A/B ratio is the most that removing the
+    parts (their bytes, their chains and their launch boundaries) could save in the step: the ceiling
+    of a fusion before it is built. Parts: ABLATIONS; repeated calls add parts.
+
+    ``router`` replays each layer's routing from ``_ROUTES``, which the first router-ablated pass after
+    ``_ROUTES.clear()`` records from its own (real) router calls: with nothing else ablated, exactly
+    the routing the default computes on the restored state. Every other part changes the values the
+    router would see (stale or garbage: session 24's first measurement of ``combine`` collapsed the
+    routing to a few experts and "saved" 24 % of the step), and the MoE's time depends on the number
+    of distinct experts; so the other parts are only accepted together with ``router``, and are
+    measured against ``ceil_router`` (``--ab-base ceil_router``, which records the routing in its
+    arm's warm-up, captured first)."""
     from runtime import fast as _fast
-    m = rnd.model
+    parts = tuple(getattr(rnd.model, "_ablated", ())) + parts
+    if "router" not in parts:
+        raise ValueError(f"ablation {'+'.join(parts)}: every part but the router changes the routing; "
+                         f"use ceil_router+{'+'.join(parts)} or --ab-base ceil_router")
+    m = rnd.model = getattr(rnd.model, "_unablated", rnd.model)
     n_qkv = (m.shard.num_heads + 2 * m.shard.num_kv_heads) * m.cfg.head_dim
-    patches, attrs, cache = [], {}, {}
-    if part == "pre_moe_norm":       # the add + RMSNorm between the output projection and the router
-        attrs["_add_norm"] = _stale(m._add_norm, cache)
-    elif part in ("qkv", "o_proj"):  # one of the two projections
+    h, nhd = m.cfg.hidden_size, m.shard.num_heads * m.cfg.head_dim
+    patches, attrs, cache = [], {"_ablated": parts, "_unablated": m}, {}
+    stale_proj = {}
+    for part in parts:
+        if part == "pre_moe_norm":       # the add + RMSNorm between the output projection and the router
+            attrs["_add_norm"] = _stale(m._add_norm, cache)
+        elif part in ("qkv", "o_proj"):  # one of the two projections (told apart by the weight's shape)
+            stale_proj[(n_qkv, h) if part == "qkv" else (h, nhd)] = _stale(m._proj, cache)
+        elif part == "rope":             # RoPE + the K/V cache write (the attention reads stale q and rows)
+            patches.append((_fast._rope, "rope_kv_write", _stale(_fast._rope.rope_kv_write, cache)))
+        elif part == "combine":          # the attention's combine (the output projection reads garbage)
+            patches.append((_fast._attn, "_combine", lambda *a, **k: None))
+        elif part == "router":           # the router: each layer's warm-up routing replayed
+            patches.append((_fast._router, "route_topk", _stale(
+                _fast._router.route_topk, _ROUTES, key=lambda x, wr, *a: (x.shape[0], wr.data_ptr()))))
+        elif part == "moe_reduce":       # the MoE's reduce + next norm (the next layer reads garbage)
+            patches.append((_fast._moe, "_launch_reduce", lambda *a, **k: None))
+        else:
+            raise KeyError(f"ablation {part!r}: one of {ABLATIONS}")
+    if stale_proj:
         real = m._proj
-        stale = _stale(real, cache)
-        h, nhd = m.cfg.hidden_size, m.shard.num_heads * m.cfg.head_dim
-        want = (n_qkv, h) if part == "qkv" else (h, nhd)
-        attrs["_proj"] = lambda x, w: stale(x, w) if tuple(w.shape) == want else real(x, w)
-    elif part == "rope":             # RoPE + the K/V cache write (the attention reads stale q and rows)
-        patches.append((_fast._rope, "rope_kv_write", _stale(_fast._rope.rope_kv_write, cache)))
-    elif part == "combine":          # the attention's combine (the output projection reads a stale o)
-        patches.append((_fast._attn, "_combine", lambda *a, **k: None))
-    elif part == "router":           # the router (every layer uses the warm-up's first routing)
-        patches.append((_fast._router, "route_topk", _stale(_fast._router.route_topk, cache)))
-    elif part == "moe_reduce":       # the MoE's reduce + next norm (the next layer reads a stale h)
-        patches.append((_fast._moe, "_launch_reduce", lambda *a, **k: None))
-    else:
-        raise KeyError(part)
+        attrs["_proj"] = lambda x, w, **k: stale_proj.get(tuple(w.shape), real)(x, w, **k)
     _model_variant(rnd, **attrs)
     layers = type(rnd.model)._layers_fast.__get__(rnd.model)   # the copy's, with attrs
 
@@ -320,6 +340,28 @@ def _ablate(rnd: Round, part: str) -> None:
         with _Patched(patches):
             return layers(*args, **kw)
     rnd.model._layers_fast = run
+
+
+def ab_variant(name: str):
+    """The A/B variant ``name``: one of AB_VARIANTS, or ``ceil_{part}[+{part}...]`` (_ablate)."""
+    if name in AB_VARIANTS:
+        return AB_VARIANTS[name]
+    parts = name[len("ceil_"):].split("+") if name.startswith("ceil_") else None
+    if not parts or not set(parts) <= set(ABLATIONS):
+        raise KeyError(name)
+    return lambda rnd: _ablate(rnd, *parts)
+
+
+def check_ab_names(names: list[str], base: str | None) -> None:
+    """KeyError for an unknown name, ValueError for an ablation pair that would change the routing."""
+    base_parts = base[len("ceil_"):].split("+") if base and base.startswith("ceil_") else []
+    for n in names + ([base] if base else []):
+        ab_variant(n)
+        if n.startswith("ceil_"):
+            parts = n[len("ceil_"):].split("+") + (base_parts if n != base else [])
+            if "router" not in parts:
+                raise ValueError(f"{n}: ablations other than the router change the routing; pair them "
+                                 f"with it (ceil_router+{n[len('ceil_'):]}, or --ab-base ceil_router)")
 
 
 ABLATIONS = ("pre_moe_norm", "qkv", "o_proj", "rope", "combine", "router", "moe_reduce")
@@ -390,6 +432,9 @@ AB_VARIANTS = {
     # the MoE's output and the next residual add + RMSNorm in two launches (the reduce, then the norm)
     # instead of one (FastModel.fuse_moe_norm off)
     "moe_norm_apart": lambda rnd: _model_variant(rnd, fuse_moe_norm=False),
+    # the fused Q/K/V projection's split-K partials summed by its last arriving program (the way before
+    # session 24) instead of inside rope_kv_write (FastModel.qkv_sum_in_rope; same bits)
+    "qkv_sum_in_linear": lambda rnd: _model_variant(rnd, qkv_sum_in_rope=False),
     # RoPE's tables computed in every rope_kv_write program (FP64 cos / sin) instead of once per pass
     # in torch (session 15, call 2: 0.3 % slower together with the glue above; off by default)
     "kernel_rope_tables": lambda rnd: _model_variant(rnd, rope_tables_in_kernel=True),
@@ -423,16 +468,19 @@ AB_VARIANTS = {
     **{f"attn_cw{n}": (lambda rnd, n=n: _attn_opts(rnd, combine_num_warps=n)) for n in (1, 4, 8)},
     # lin_q{Q/K/V}_o{output}: see LINEAR_VARIANTS
     **{name: (lambda rnd, q=q, o=o: _skinny_by(rnd, _lin(q), _lin(o))) for name, (q, o) in LINEAR_VARIANTS.items()},
-    # ceil_{part}: MEASUREMENT ONLY, wrong values: the part's launch skipped in every layer pass
-    # (_ablate), the ceiling of what fusing it away could save
-    **{f"ceil_{p}": (lambda rnd, p=p: _ablate(rnd, p)) for p in ABLATIONS},
+    # MEASUREMENT ONLY, wrong values (_ablate): the router's launches skipped in every layer pass, its
+    # routing replayed; ceil_router+{part}[+{part}...] (ab_variant) also skips those parts (ABLATIONS),
+    # to be timed against ceil_router (--ab-base ceil_router): the ceiling of fusing them away
+    "ceil_router": lambda rnd: _ablate(rnd, "router"),
 }
 
 
-def time_graph_ab(step_a, step_b, restore, reps: int) -> dict:
+def time_graph_ab(step_a, step_b, restore, reps: int, profile: bool = False) -> dict:
     """Graphs of two steps replayed in alternation (restored before each replay, the order swapped
-    every pair): median ms of each and the median and 10-90 % range of the per-pair ratio b / a."""
+    every pair): median ms of each and the median and 10-90 % range of the per-pair ratio b / a;
+    ``profile``: also each graph's ``profile_replays`` ("profile_a", "profile_b")."""
     ga, gb = capture(step_a, restore), capture(step_b, restore)
+    profs = {f"profile_{k}": profile_replays(g.replay, restore) for k, g in (("a", ga), ("b", gb))} if profile else {}
     ta, tb = [], []
     for i in range(reps + 2):
         pair = {}
@@ -451,7 +499,7 @@ def time_graph_ab(step_a, step_b, restore, reps: int) -> dict:
     return {"a_ms": statistics.median(ta) * 1e3, "b_ms": statistics.median(tb) * 1e3,
             "ratio": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
             "ratio_p90": ratios[(9 * len(ratios)) // 10], "reps": reps,
-            "a_block_ms": blk_a, "b_block_ms": blk_b}
+            "a_block_ms": blk_a, "b_block_ms": blk_b, **profs}
 
 
 # ------------------------------------------------------------------------------- state and caches
@@ -707,15 +755,29 @@ def bench_q1(args, copy_bw):
                 except Exception as e:  # reported, not fatal: the eager numbers stand
                     log(f"q1 ctx={L} fast (CUDA graph) FAILED: {type(e).__name__}: {e}")
                     res["fast-graph"] = {"error": f"{type(e).__name__}: {e}"}
+                _ROUTES.clear()   # ceil_router's routing: recorded anew at this context (_ablate)
+                r_a = Round(fast, cache, sampling, draft)
+                if args.ab_base:
+                    ab_variant(args.ab_base)(r_a)
+                base = args.ab_base or "default"
                 for name in args.ab:
                     r_b = Round(fast, cache, sampling, draft)
-                    AB_VARIANTS[name](r_b)
-                    ab = time_graph_ab(step_fn(r_fast, st), step_fn(r_b, st), restore, args.reps_fast)
-                    log(f"q1 ctx={L} A/B fast graph: default {ab['a_ms']:.3f} ms, {name} {ab['b_ms']:.3f} ms, "
+                    if args.ab_base:
+                        ab_variant(args.ab_base)(r_b)
+                    ab_variant(name)(r_b)
+                    name = f"{base} + {name}" if args.ab_base else name
+                    ab = time_graph_ab(step_fn(r_a, st), step_fn(r_b, st), restore, args.reps_fast,
+                                       profile=args.profile)
+                    log(f"q1 ctx={L} A/B fast graph: {base} {ab['a_ms']:.3f} ms, {name} {ab['b_ms']:.3f} ms, "
                         f"ratio {ab['ratio']:.4f} [{ab['ratio_p10']:.4f}, {ab['ratio_p90']:.4f}] (in blocks: "
                         f"{ab['a_block_ms']:.3f} / {ab['b_block_ms']:.3f} ms)")
+                    for arm, ms in (("a", ab["a_ms"]), ("b", ab["b_ms"])):
+                        if f"profile_{arm}" in ab:
+                            log(f"profile of the {base if arm == 'a' else name} graph:")
+                            PROFILES[f"{L} {base if arm == 'a' else name}"] = prof = ab.pop(f"profile_{arm}")
+                            print_profile(prof, ms)
                     ROWS.append(dict(model=f"{cfg.name} rank0/{shard.tp_size}", context=L,
-                                     arm=f"fast-graph A/B {name}", **ab))
+                                     arm=f"fast-graph A/B {name}", base=base, **ab))
             res["reference"] = time_step(step_fn(r_ref, st), restore, args.reps_ref, min(1, args.warmup))
             log(f"q1 ctx={L} reference: {res['reference']['ms']:.2f} ms/step")
         d6 = min(DISTINCT_6ROWS, cfg.num_experts)
@@ -749,7 +811,7 @@ def table(copy_bw) -> str:
             lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} {r['ms']:>9.3f} {r['host_ms']:>8.3f} "
                          + (f"{fl:>9.3f} {fl / r['ms']:>8.3f}" if fl else f"{'':>9} {'':>8}"))
         elif "a_ms" in r:
-            lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} default {r['a_ms']:.3f} ms, variant "
+            lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} {r.get('base', 'default')} {r['a_ms']:.3f} ms, variant "
                          f"{r['b_ms']:.3f} ms: ratio {r['ratio']:.4f} [{r['ratio_p10']:.4f}, {r['ratio_p90']:.4f}]")
         elif "ratio" in r:
             lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} ratio {r['ratio']:.3f}")
@@ -780,14 +842,23 @@ def main() -> int:
     ap.add_argument("--ab", type=lambda v: [x for x in v.split(",") if x], nargs="+", default=[],
                     help=f"same-run A/B of the fast graph against variants, alternating replays (names "
                          f"separated by commas or spaces): {', '.join(AB_VARIANTS)}")
+    ap.add_argument("--ab-base", default=None, metavar="NAME",
+                    help="apply this variant to both arms of every --ab pair (e.g. ceil_router: the "
+                         "warm-up's routing replayed in both, so that ablations which feed the router "
+                         "garbage leave the MoE's work unchanged)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the fast step's CUDA graph per kernel (torch.profiler): device time "
-                         "per part of the step (attention, MoE, GEMMs, norms, torch glue), top kernels")
+                         "per part of the step (attention, MoE, GEMMs, norms, torch glue), top kernels; "
+                         "with --ab, both graphs of every pair as well")
     args = ap.parse_args()
     args.ab = [name for names in args.ab for name in names]
-    unknown = [n for n in args.ab if n not in AB_VARIANTS]
-    if unknown:
-        ap.error(f"--ab: unknown variants {unknown}; known: {', '.join(AB_VARIANTS)}")
+    try:
+        check_ab_names(args.ab, args.ab_base)
+    except KeyError as e:
+        ap.error(f"--ab / --ab-base: unknown variant {e}; known: {', '.join(AB_VARIANTS)}, "
+                 f"ceil_{{part}}[+{{part}}...] with parts {', '.join(ABLATIONS)}")
+    except ValueError as e:
+        ap.error(f"--ab / --ab-base: {e}")
     args.reps_fast = args.reps_fast or (1 if DRY_RUN else 20)
     args.reps_ref = args.reps_ref or (1 if DRY_RUN else 5)
     args.warmup = (0 if DRY_RUN else 3) if args.warmup is None else args.warmup

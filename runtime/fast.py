@@ -13,7 +13,9 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
                                                runs (kernels.linear)
     q, k = RoPE(q, k); cache[slots] <- k, v    rope_kv_write: one kernel (angles in float64 on the
                                                host side of the pass, as the reference; ring: slot
-                                               p % R from the positions, labels too)
+                                               p % R from the positions, labels too); it also sums
+                                               the Q/K/V projection's split-K partials
+                                               (qkv_sum_in_rope: the projection's own sum, moved)
     o    = decode_attention_full / _ring(q, cache, start_pos = positions[:1], sinks)
     h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16); Wo: skinny_linear
     ids, weights = route_topk(h, router, 8)    FP32 router logits from the BF16 input, top 8,
@@ -220,6 +222,12 @@ class FastModel(Model):
         # with it the step was 0.3 % slower: the per-layer FP64 trig outweighs the saved launches;
         # bench_step.py --ab kernel_rope_tables)
         self.rope_tables_in_kernel = False
+        # The fused Q/K/V projection's split-K partials summed inside rope_kv_write (the same bits)
+        # instead of by the projection's last arriving program: its arrival counter's round trip and
+        # the sum's loads and store leave the critical path. Session 24 (H200, call 5, same-run A/B):
+        # the q1 step 0.9931 / 0.9934 of the other way's time at 8K / 64K. False: the projection sums
+        # (bench_step.py --ab qkv_sum_in_linear).
+        self.qkv_sum_in_rope = True
         # The MoE reduce also does the next residual add + RMSNorm (one launch fewer per layer; the
         # same values: bench_step.py --ab moe_norm_apart measures it). Its per-row arrival counters:
         self.fuse_moe_norm = True
@@ -350,18 +358,25 @@ class FastModel(Model):
         return ids, torch.softmax(top, dim=-1)
 
     # ---- decode-mode pieces on the kernels ----------------------------------------------------------
-    def _proj(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x @ w^T (BF16): skinny_linear with kernels.linear=fast, torch matmul otherwise."""
+    def _proj(self, x: torch.Tensor, w: torch.Tensor, partials: bool = False) -> torch.Tensor:
+        """x @ w^T (BF16): skinny_linear with kernels.linear=fast, torch matmul otherwise.
+        ``partials``: skinny_linear's split-K partials (FP32 [S, R, N]) where it splits K."""
         if self.kernels.linear == "reference":
             return x @ w.T
-        return _linear.skinny_linear(x, w, counter=self._linear_counter)
+        return _linear.skinny_linear(x, w, counter=self._linear_counter, partials=partials)
+
+    def _proj_qkv(self, x: torch.Tensor, w: torch.Tensor) -> dict:
+        """The fused Q/K/V projection as rope_kv_write's input: {"qkv": BF16 [T, N]}, or with
+        ``qkv_sum_in_rope`` (fast linear, split K) {"qkv": None, "qkv_parts": FP32 [S, R, N]}."""
+        y = self._proj(x, w, partials=self.qkv_sum_in_rope)
+        return {"qkv": None, "qkv_parts": y} if y.dim() == 3 else {"qkv": y}
 
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
                         cache: KVCache, tab) -> torch.Tensor:
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
-        qkv = self._proj(h, self._qkv[id(lw)])
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
+            qkv = self._proj(h, self._qkv[id(lw)])
             qk = self._rope(qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d), tab["cos"], tab["sin"])
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
@@ -376,12 +391,13 @@ class FastModel(Model):
         # the router and Gate/Up programmatic too, the chain of early launches then reaches the MoE
         # while the attention runs: session 14, call 9, the step 0.6-0.8 % slower with it)
         opts = self._attn_options
+        qkv = self._proj_qkv(h, self._qkv[id(lw)])
         # RoPE of q and k + the K/V cache write: one kernel (the reference's operations, exactly)
         # (the kernel computes a ring's slots with fused_glue, the tables with rope_tables_in_kernel)
         rope = (dict(cos2=tab["cos"], sin2=tab["sin"]) if "cos" in tab
                 else dict(cos2=None, sin2=None, inv_freq=self._inv_freq))
         if cache.kind == "full":
-            q = _rope.rope_kv_write(qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, slots=positions,
+            q = _rope.rope_kv_write(**qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, slots=positions,
                                     positions=positions, **rope)
             _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o, **opts)
         else:
@@ -391,7 +407,7 @@ class FastModel(Model):
                 if slots is None:
                     slots = tab[("slots", cache.slots)] = positions % cache.slots
                 ring = dict(slots=slots)
-            q = _rope.rope_kv_write(qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, labels=cache.labels,
+            q = _rope.rope_kv_write(**qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, labels=cache.labels,
                                     positions=positions, **ring, **rope)
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
         out = self._proj(o.view(T, nh * d), lw.wo)

@@ -885,12 +885,13 @@ ABLATION_SKIPS = {"pre_moe_norm": ("_norm", "fused_add_rmsnorm", 0), "qkv": ("_l
 
 
 @cpu_only
-@pytest.mark.parametrize("part", sorted(ABLATION_SKIPS))
-def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, part):
-    """``experiments/bench_step.py``'s ceil_{part} variants (measurement only) remove exactly their
-    part's launches from a decode pass after the first (warm-up) one, and put the module attributes
-    back afterwards; negative control: the default model makes the calls (4 projections, 2 of each
-    other part per pass of 2 layers)."""
+@pytest.mark.parametrize("name", ["router"] + [f"router+{p}" for p in sorted(ABLATION_SKIPS) if p != "router"])
+def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, name):
+    """``experiments/bench_step.py``'s ceil_router[+{part}] variants (measurement only) remove exactly
+    their parts' launches from a decode pass after the first (warm-up) one, and put the module
+    attributes back afterwards; negative control: the default model makes the calls (4 projections,
+    2 of each other part per pass of 2 layers). Unknown parts are refused, and so is a part without
+    the router's replay. The replayed routing is the default's (same ids and weights)."""
     import sys
     import types
 
@@ -901,21 +902,74 @@ def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, part):
     import bench_step
 
     assert set(ABLATION_SKIPS) == set(bench_step.ABLATIONS)
+    with pytest.raises(KeyError):
+        bench_step.ab_variant("ceil_router+nothing")
+    with pytest.raises(ValueError):   # without the router's replay the routing would change
+        bench_step.check_ab_names(["ceil_combine"], None)
+    bench_step.check_ab_names(["ceil_combine"], "ceil_router")
+    bench_step._ROUTES.clear()
     t = tiny_restored
-    modattr, name, left = ABLATION_SKIPS[part]
-    mod = getattr(fastmod, modattr)
-    calls = []
+    skips = [ABLATION_SKIPS[p] for p in name.split("+")]
+    calls = {}
     with pytest.MonkeyPatch.context() as mp:
-        real = getattr(mod, name)
-        mp.setattr(mod, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-        spied = getattr(mod, name)
+        spied = {}
+        for modattr, fn, _ in skips:
+            mod = getattr(fastmod, modattr)
+            real = getattr(mod, fn)
+            mp.setattr(mod, fn, lambda *a, _fn=fn, _real=real, **k: (calls.setdefault(_fn, []).append(1),
+                                                                    _real(*a, **k))[1])
+            spied[fn] = (mod, getattr(mod, fn))
         default = FastModel.from_model(t["bf16"])
         verify_logits(default, t["cache"], t["st"], 8)
-        assert len(calls) == (4 if modattr == "_linear" else 2)
+        assert {fn: len(c) for fn, c in calls.items()} == {
+            fn: (4 if modattr == "_linear" else 2) for modattr, fn, _ in skips}
+        if name == "router":   # what the default routes, to compare with the replay below
+            routes = []
+            with pytest.MonkeyPatch.context() as mp2:
+                real_route = fastmod._router.route_topk
+                mp2.setattr(fastmod._router, "route_topk", lambda *a, **k: routes.append(real_route(*a, **k)) or routes[-1])
+                verify_logits(default, t["cache"], t["st"], 8)
+            calls.clear()
         rnd = types.SimpleNamespace(model=FastModel.from_model(t["bf16"]))
-        bench_step.AB_VARIANTS[f"ceil_{part}"](rnd)
+        bench_step.ab_variant(f"ceil_{name}")(rnd)
         verify_logits(rnd.model, t["cache"], t["st"], 8)   # warm-up: stale outputs are made here
         calls.clear()
         verify_logits(rnd.model, t["cache"], t["st"], 8)
-        assert len(calls) == left
-        assert getattr(mod, name) is spied     # restored after the pass
+        assert {fn: len(calls.get(fn, [])) for _, fn, _ in skips} == {fn: left for _, fn, left in skips}
+        if name == "router":
+            replayed = [bench_step._ROUTES[(8, w.data_ptr())] for w in (lw.router for lw in default.layers)]
+            for (ids, wts), (rids, rwts) in zip(routes, replayed):
+                assert torch.equal(ids, rids) and torch.equal(wts, rwts)
+        assert all(getattr(mod, fn) is spy for fn, (mod, spy) in spied.items())   # restored after the pass
+
+
+@cpu_only
+def test_interpreted_qkv_sum_in_rope_same_logits(tiny_restored):
+    """FastModel.qkv_sum_in_rope: the Q/K/V projection's split-K partials summed in rope_kv_write give
+    the verify pass the same logits, bit for bit, as the projection's own last-arriver sum (its plan
+    forced to 2 K slices: q1-tiny's default plan has one). Negative control: with the split the
+    partial path is really taken (rope_kv_write receives qkv_parts), without it it is not."""
+    import runtime.fast as fastmod
+    from runtime.fast import FastModel
+    from runtime.kernels import linear as L
+
+    t = tiny_restored
+    seen = []
+    with pytest.MonkeyPatch.context() as mp:
+        real_rope = fastmod._rope.rope_kv_write
+        mp.setattr(fastmod._rope, "rope_kv_write", lambda *a, **k: (seen.append("qkv_parts" in k), real_rope(*a, **k))[1])
+        mp.setattr(L, "plan", lambda N, K, sms: (16, 2))
+        out = []
+        for on in (False, True):
+            fm = FastModel.from_model(t["bf16"])
+            fm.qkv_sum_in_rope = on
+            seen.clear()
+            out.append(verify_logits(fm, t["cache"], t["st"], 8))
+            assert seen == [on, on]
+        assert torch.equal(out[0], out[1])
+        mp.setattr(L, "plan", lambda N, K, sms: (16, 1))
+        fm = FastModel.from_model(t["bf16"])
+        fm.qkv_sum_in_rope = True
+        seen.clear()
+        verify_logits(fm, t["cache"], t["st"], 8)
+        assert seen == [False, False]

@@ -58,7 +58,8 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                    N: tl.constexpr, K_SLICE: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
-                   DROP_BUG: tl.constexpr = False, NO_WAIT: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False):
+                   DROP_BUG: tl.constexpr = False, NO_WAIT: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
+                   FINALIZE: tl.constexpr = True):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,6 +97,7 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
     else:
         part = PART + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part + ps * (BLOCK_M * N), acc)
+    if SPLIT_K > 1 and FINALIZE:   # (not FINALIZE: the consumer sums the partials, see ``partials``)
         # every thread's stores precede (bar.sync) the one release-add that publishes them
         tl.debug_barrier()
         ticket = tl.atomic_add(CNT + pn, 1, sem="acq_rel", scope="gpu")
@@ -143,8 +145,8 @@ def plan(N: int, K: int, sms: int) -> tuple[int, int]:
 
 
 def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, pdl=None, prefetch=None,
-                  num_stages=None, block_k=None, num_warps=None, weights_a=None, _drop_bug=False, _poison=False,
-                  _no_wait=False):
+                  num_stages=None, block_k=None, num_warps=None, weights_a=None, partials=False, _drop_bug=False,
+                  _poison=False, _no_wait=False):
     """y = x @ w^T in BF16 (FP32 accumulation) for x [M, K] BF16 (M <= 16) and w [N, K] BF16.
 
     ``out`` [M, N] BF16 to write into (row stride free). ``block_n`` / ``split_k``: the tiling
@@ -156,6 +158,11 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     program (defaults NUM_STAGES; the largest of BLOCK_K, 64, 32, 16 that divides the slice; NUM_WARPS).
     ``weights_a``: the weight tile as the MMA's A operand times x^T (at most 8 rows; default
     WEIGHTS_A where M <= 8).
+    ``partials``: with split K, skip the last arriver's sum and return the FP32 partials [split_k, R,
+    N] (R >= M rows, the first M live) for the consumer to add in slice order (``sum_partials``: the
+    same FP32 additions and BF16 rounding as the last arriver, so the same bits), which takes the
+    arrival counter's round trip and the sum's loads and store off the critical path; with split_k 1
+    it returns y as usual.
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests'."""
@@ -173,13 +180,17 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     check(out.shape == (M, N) and out.dtype == torch.bfloat16 and out.stride(1) == 1 and out.device == dev,
           "out [M, N] BF16 with contiguous rows")
     n_blocks = N // block_n
-    if split_k > 1:
+    fin = not (partials and split_k > 1)
+    if split_k > 1 and fin:
         if counter is None:
             counter = torch.zeros(n_blocks, dtype=torch.int32, device=dev)
         check(counter.dtype == torch.int32 and counter.device == dev and counter.numel() >= n_blocks,
               f"counter: int32, at least {n_blocks} on x's device")
+    if split_k > 1:
         part = (torch.full((split_k, BLOCK_M, N), float("nan"), dtype=torch.float32, device=dev) if _poison
                 else torch.empty((split_k, BLOCK_M, N), dtype=torch.float32, device=dev))
+        if not fin:
+            counter = part
     else:
         counter = part = out
     use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
@@ -194,10 +205,22 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
         N=N, K_SLICE=k_slice, SPLIT_K=split_k, BLOCK_M=8 if wa else BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk,
         PDL=use_pdl, PREFETCH=use_pf, PF_CHUNK=min(1024, next_pow2(block_n * max(1, k_slice * 2 // 128))),
         DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), WEIGHTS_A=wa, num_warps=NUM_WARPS if num_warps is None else int(num_warps),
-        num_stages=NUM_STAGES if num_stages is None else int(num_stages),
+        num_stages=NUM_STAGES if num_stages is None else int(num_stages), FINALIZE=fin,
         **({"launch_pdl": True} if use_pdl else {}),
     )
+    if not fin:   # the kernel's layout: slice s, row m at s * rows * N + m * N (rows = its BLOCK_M)
+        rows = 8 if wa else BLOCK_M
+        return part.view(-1)[:split_k * rows * N].view(split_k, rows, N)
     return out
+
+
+def sum_partials(parts: torch.Tensor) -> torch.Tensor:
+    """BF16 [R, N] of ``skinny_linear(..., partials=True)``'s [S, R, N]: the last arriver's arithmetic
+    (FP32 sums in slice order from zero, one rounding), in torch (the tests' and CPU paths' sum)."""
+    tot = torch.zeros_like(parts[0])
+    for s in range(parts.shape[0]):
+        tot = tot + parts[s]
+    return tot.to(torch.bfloat16)
 
 
 def linear_reference(x, w):

@@ -52,13 +52,25 @@ def _cos_sin(POS, INVF, t, offs, half: tl.constexpr, ANGLE_BUG: tl.constexpr):
     return libdevice.cos(ang).to(tl.float32), libdevice.sin(ang).to(tl.float32)
 
 
+@triton.jit
+def _qkv_vals(row, idx, NPARTS: tl.constexpr, stride_p):
+    """The BF16 projection output at row[idx]: loaded (NPARTS 0), or the sum of NPARTS FP32 partials
+    in slice order from zero, rounded once (skinny_linear's last arriver's arithmetic)."""
+    if NPARTS == 0:
+        return tl.load(row + idx)
+    tot = tl.zeros(idx.shape, tl.float32)
+    for s in tl.static_range(NPARTS):
+        tot += tl.load(row + s * stride_p + idx)
+    return tot.to(tl.bfloat16)
+
+
 @triton.jit(launch_metadata=launch_signature)
 def _rope_kv_kernel(QKV, COS, SIN, QOUT, KC, VC, SLOT, POS, LABELS, INVF, RING_R,
                     stride_t, stride_ct, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
                     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_LABELS: tl.constexpr,
                     PDL: tl.constexpr, ANGLES: tl.constexpr = False, SLOT_FROM_POS: tl.constexpr = False,
                     ROPE_BUG: tl.constexpr = False, SLOT_BUG: tl.constexpr = False,
-                    ANGLE_BUG: tl.constexpr = False):
+                    ANGLE_BUG: tl.constexpr = False, NPARTS: tl.constexpr = 0, stride_p=0):
     t = tl.program_id(0)
     j = tl.program_id(1)
     if PDL:
@@ -74,8 +86,8 @@ def _rope_kv_kernel(QKV, COS, SIN, QOUT, KC, VC, SLOT, POS, LABELS, INVF, RING_R
         slot = slot + 1
     row = QKV + t * stride_t + j * D
     if j < NH + NKV:
-        x = tl.load(row + offs).to(tl.float32)
-        partner = tl.load(row + (offs + half) % D).to(tl.float32)
+        x = _qkv_vals(row, offs, NPARTS, stride_p).to(tl.float32)
+        partner = _qkv_vals(row, (offs + half) % D, NPARTS, stride_p).to(tl.float32)
         if ROPE_BUG:
             rot = tl.where(offs < half, partner, -partner)
         else:
@@ -94,7 +106,7 @@ def _rope_kv_kernel(QKV, COS, SIN, QOUT, KC, VC, SLOT, POS, LABELS, INVF, RING_R
                 if j == NH:
                     tl.store(LABELS + slot, tl.load(POS + t).to(LABELS.dtype.element_ty))
     else:
-        v = tl.load(row + offs)
+        v = _qkv_vals(row, offs, NPARTS, stride_p)
         tl.store(VC + (j - NH - NKV) * stride_vh + slot * stride_vs + offs, v)
 
 
@@ -124,8 +136,8 @@ def rope_tables(positions, inv_freq, *, _angle_bug=False):
 
 
 def rope_kv_write(qkv, cos2, sin2, nh, nkv, k_cache, v_cache, slots, q_out=None, *, labels=None,
-                  positions=None, inv_freq=None, ring_slots=None, pdl=None, _rope_bug=False, _slot_bug=False,
-                  _angle_bug=False):
+                  positions=None, inv_freq=None, ring_slots=None, pdl=None, qkv_parts=None, _rope_bug=False,
+                  _slot_bug=False, _angle_bug=False):
     """q_out [T, nh, d] = RoPE(q); k_cache[:, slots] = RoPE(k); v_cache[:, slots] = v (and, for a ring,
     labels[slots] = positions). Returns q_out.
 
@@ -134,13 +146,29 @@ def rope_kv_write(qkv, cos2, sin2, nh, nkv, k_cache, v_cache, slots, q_out=None,
     reference computes them); k_cache / v_cache [nkv, slots, d] BF16; slots [T] integer (the cache rows
     to write), or None with ``ring_slots`` = R (slots = positions % R in the kernel); labels [slots]
     integer with positions [T] (ring caches). No host synchronisation.
+    ``qkv_parts`` [S, R, (nh + 2 nkv) d] FP32 (R >= T; qkv None): the Q/K/V projection's split-K
+    partials (``skinny_linear(..., partials=True)``), summed here in slice order and rounded to BF16
+    exactly as the projection's last arriver would (the same qkv bits), so that the projection ends
+    without its arrival counter and sum.
     ``_rope_bug`` / ``_slot_bug`` / ``_angle_bug``: negative controls of the tests (the rotation's signs
     swapped; every row written one slot late; the in-kernel angle rounded to FP32).
     """
-    T, width = qkv.shape
     d = k_cache.shape[2]
-    check(width == (nh + 2 * nkv) * d and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1,
-          f"qkv [T, (nh + 2 nkv) d] bf16: {tuple(qkv.shape)} for nh {nh}, nkv {nkv}, d {d}")
+    nparts, stride_p = 0, 0
+    if qkv_parts is not None:
+        check(qkv is None, "give qkv or qkv_parts, not both")
+        check(qkv_parts.dim() == 3 and qkv_parts.dtype == torch.float32 and qkv_parts.stride(2) == 1,
+              "qkv_parts [S, R, (nh + 2 nkv) d] fp32")
+        T = positions.shape[0] if positions is not None else slots.shape[0]
+        check(qkv_parts.shape[1] >= T, f"qkv_parts: {qkv_parts.shape[1]} rows for {T}")
+        nparts, stride_p = qkv_parts.shape[0], qkv_parts.stride(0)
+        qkv = qkv_parts[0, :T]
+        width = qkv.shape[1]
+        check(width == (nh + 2 * nkv) * d, f"qkv_parts: width {width} for nh {nh}, nkv {nkv}, d {d}")
+    else:
+        T, width = qkv.shape
+        check(width == (nh + 2 * nkv) * d and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1,
+              f"qkv [T, (nh + 2 nkv) d] bf16: {tuple(qkv.shape)} for nh {nh}, nkv {nkv}, d {d}")
     check(d == next_pow2(d) and d >= 16, "head_dim: a power of two >= 16")
     angles = inv_freq is not None
     if angles:
@@ -181,7 +209,7 @@ def rope_kv_write(qkv, cos2, sin2, nh, nkv, k_cache, v_cache, slots, q_out=None,
         v_cache.stride(0), v_cache.stride(1),
         NH=nh, NKV=nkv, D=d, HAS_LABELS=has_labels, PDL=use_pdl, ANGLES=angles, SLOT_FROM_POS=from_pos,
         ROPE_BUG=bool(_rope_bug), SLOT_BUG=bool(_slot_bug), ANGLE_BUG=bool(_angle_bug),
-        num_warps=1, enable_fp_fusion=False,
+        NPARTS=nparts, stride_p=stride_p, num_warps=1, enable_fp_fusion=False,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return q_out

@@ -142,3 +142,57 @@ def test_interp_tables():
         c2, s2, c_ref, s_ref = _tables_case(R, 64, start, _angle_bug=bug)
         err = max((c2 - c_ref).abs().max().item(), (s2 - s_ref).abs().max().item())
         assert (err <= 2.0 ** -23) == ok, (start, err)
+
+
+def parts_case(R, L, shape, T, start, ring, seed, drop=False, ring_slots=False):
+    """rope_kv_write fed the Q/K/V projection's split-K partials (``qkv_parts``) against the same
+    call fed the projection's own BF16 output (its last arriver's sum): (q equal, K rows equal, V rows
+    equal, untouched rows still NaN in both). ``drop``: negative control, the last slice left out."""
+    nh, nkv, d = shape["nh"], shape["nkv"], shape["d"]
+    dev = _dev()
+    g = torch.Generator().manual_seed(seed)
+    n, k = (nh + 2 * nkv) * d, 512
+    x = (torch.randn(T, k, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).to(dev)
+    qkv = L.skinny_linear(x, w, block_n=32, split_k=4)
+    parts = L.skinny_linear(x, w, block_n=32, split_k=4, partials=True)
+    assert parts.shape[0] == 4 and parts.shape[1] >= T and parts.dtype == torch.float32
+    assert torch.equal(L.sum_partials(parts)[:T], qkv) or not HAS_CUDA   # (the interpreter truncates)
+    if drop:
+        parts = parts[:-1]
+    pos = torch.arange(start, start + T, device=dev)
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64, device=dev) / d)
+    slots = 576 if ring else start + T + 16
+    out = []
+    for src in ({"qkv": qkv}, {"qkv": None, "qkv_parts": parts}):
+        kc = torch.full((nkv, slots, d), float("nan"), dtype=torch.bfloat16, device=dev)
+        vc = torch.full_like(kc, float("nan"))
+        labels = torch.full((slots,), -1, dtype=torch.int64, device=dev) if ring else None
+        q = torch.full((T, nh, d), float("nan"), dtype=torch.bfloat16, device=dev)
+        R.rope_kv_write(**src, cos2=None, sin2=None, nh=nh, nkv=nkv, k_cache=kc, v_cache=vc,
+                        slots=None if ring else pos, q_out=q, labels=labels, positions=pos, inv_freq=inv_freq,
+                        ring_slots=slots if ring else None)
+        out.append((q, kc, vc, labels))
+    (q0, k0, v0, l0), (q1, k1, v1, l1) = out
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))   # NaN rows: untouched in both
+    return same(q0, q1), same(k0, k1), same(v0, v1), l0 is None or torch.equal(l0, l1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 6, 8])
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
+def test_gpu_qkv_parts(T, ring, shape):
+    R, L = load_kernels("rope"), load_kernels("linear")
+    assert all(parts_case(R, L, shape, T, 4157, ring, seed=T))
+    q_ok, k_ok, v_ok, _ = parts_case(R, L, shape, T, 4157, ring, seed=T, drop=True)
+    assert not q_ok and not k_ok and not v_ok
+
+
+@cpu_only
+@pytest.mark.parametrize("ring", [False, True])
+def test_interp_qkv_parts(ring):
+    R, L = load_kernels("rope"), load_kernels("linear")
+    assert all(parts_case(R, L, MINI, 6, 1000, ring, seed=3))
+    q_ok, k_ok, v_ok, _ = parts_case(R, L, MINI, 6, 1000, ring, seed=3, drop=True)
+    assert not q_ok and not k_ok and not v_ok
