@@ -382,6 +382,10 @@ LINEAR_VARIANTS = {
     "lin_q6bn16sk4_o6": ("st6.bn16.sk4", "st6"), "lin_q6_o6bn64sk2": ("st6", "st6.bn64.sk2"),
     "lin_q6_o6bn32sk1": ("st6", "st6.bn32.sk1"), "lin_q6w8_o6w8": ("st6.nw8", "st6.nw8"),
     "lin_q6w2_o6w2": ("st6.nw2", "st6.nw2"),
+    # (session 24: with the Q/K/V partials summed in rope_kv_write, more K slices cost no last arriver)
+    "lin_q6bn64sk16_o6": ("st6.bn64.sk16", "st6"), "lin_q6bn128sk16_o6": ("st6.bn128.sk16", "st6"),
+    "lin_q6bn64sk4_o6": ("st6.bn64.sk4", "st6"), "lin_q6bn32sk2_o6": ("st6.bn32.sk2", "st6"),
+    "lin_q6bn16sk8_o6": ("st6.bn16.sk8", "st6"),
 }
 
 
