@@ -353,7 +353,8 @@ def bench_moe(copy_bw, l2, sweep):
                     ("bf16_x", dict(_bf16_x=True)),   # session 11 and before: BF16 x, cast per tile
                     # session 13: K steps per Gate/Up iteration (one until session 13; two, 3 stages)
                     ("gu_unroll1", dict(gu_unroll=1)), ("gu_unroll2_st3", dict(gu_unroll=2, gu_num_stages=3)),
-                    ("gu_unroll3_st3", dict(gu_unroll=3, gu_num_stages=3))]   # 162 registers, 72 KiB: 3 per SM
+                    ("gu_unroll3_st3", dict(gu_unroll=3, gu_num_stages=3)),   # 162 registers, 72 KiB: 3 per SM
+                    ("gu_st4", dict(gu_num_stages=4))]   # the Gate/Up's stages before session 24 (3 since)
         # v2 with a persistent counter buffer (left zero by every call): no per-call memset node.
         cnt = torch.zeros(M.counters_size(w, H, I, E), device=DEV, dtype=torch.int32)
         variants += [("v2_cnt", dict(variant="v2", counters=cnt))]

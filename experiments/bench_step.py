@@ -446,9 +446,9 @@ AB_VARIANTS = {
     **{f"linear_st{n}": (lambda rnd, n=n: _skinny(rnd, num_stages=n)) for n in (3, 4, 6)},
     # the router in 2 ... 48 H slices (route_topk split_h; default router.SPLIT_H)
     **{f"router_sh{n}": (lambda rnd, n=n: _router(rnd, split_h=n)) for n in (2, 4, 8, 12, 16, 24, 48)},
-    # the MoE's Gate/Up with 3 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
+    # the MoE's Gate/Up with 3 / 4 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
     # moe.DOWN_WIDE_NUM_STAGES)
-    **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 5)},
+    **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 4, 5)},
     # the Gate/Up with x and the wide Down with the activations as the MMA's A operand (the forms
     # before session 23; the defaults since: the weights), each alone and both
     "moe_gu_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False),

@@ -71,7 +71,11 @@ GU_BLOCK_M = 16
 GU_BLOCK_N = 32
 # H step = the weight scale block, so one scale per tile and step.
 GU_BLOCK_K = 128
-GU_NUM_STAGES = 4
+# Gate/Up pipeline stages (keyword gu_num_stages). 3 since session 24 (4 before): with the weights as
+# the A operand (session 23) the q1 step took 0.9866 / 0.9880 of 4 stages' time at 8K / 64K (H200,
+# call 8, bench_step.py --ab moe_gu_st3); the MoE alone 57.95 against 60.12 us at 38 experts, 68.83
+# against 69.53 at 48 (call 7, bench_kernels' gu_unroll2_st3 row); 5 stages 1.07 in the step.
+GU_NUM_STAGES = 3
 GU_NUM_WARPS = 4
 # K steps per loop iteration of the v1 Gate/Up (keyword gu_unroll): the same products in the same
 # order (the same output bit for bit), fewer loop and pipeline-wait instructions per weight byte (the
