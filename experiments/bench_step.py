@@ -34,7 +34,11 @@ and the top kernels, with each part's share of the critical path (its launch gap
 time: how far its kernels moved the latest end; see ``_bench.critical_path``); the JSON keeps every
 kernel ("profiles"). ``--ab NAME[,NAME]`` times the fast step's graph against a variant
 (``AB_VARIANTS``: the change applied to a second Round) in one run, replays alternating, and prints
-the per-pair ratio with its 10-90 % range.
+the per-pair ratio with its 10-90 % range. ``--ab-base NAME`` applies a variant to both arms.
+Ablations (measurement only, wrong values): ``ceil_router`` replays the real routing instead of
+launching the router; ``ceil_router+{part}[+{part}...]`` (or ``--ab-base ceil_router --ab
+ceil_{part}``) also skips those parts' launches in every layer pass (``ABLATIONS``): the ceiling of
+what fusing them away could save (see ``_ablate`` for why the router's replay is required).
 
 ``--dry-run`` runs the whole script on the CPU through the Triton interpreter at q1-tiny shapes
 (2 layers; rank emulation of 2; wall-clock "timings" that mean nothing), to check the script before
@@ -845,7 +849,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip further q1 contexts past this")
     ap.add_argument("--ab", type=lambda v: [x for x in v.split(",") if x], nargs="+", default=[],
                     help=f"same-run A/B of the fast graph against variants, alternating replays (names "
-                         f"separated by commas or spaces): {', '.join(AB_VARIANTS)}")
+                         f"separated by commas or spaces): {', '.join(AB_VARIANTS)}; and ablations "
+                         f"ceil_router+PART[+PART...] with parts {', '.join(p for p in ABLATIONS if p != 'router')} "
+                         f"(measurement only: those launches skipped, the routing replayed)")
     ap.add_argument("--ab-base", default=None, metavar="NAME",
                     help="apply this variant to both arms of every --ab pair (e.g. ceil_router: the "
                          "warm-up's routing replayed in both, so that ablations which feed the router "
