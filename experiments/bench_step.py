@@ -301,13 +301,13 @@ def _ablate(rnd: Round, *parts: str) -> None:
     of a fusion before it is built. Parts: ABLATIONS; repeated calls add parts.
 
     ``router`` replays each layer's routing from ``_ROUTES``, which the first router-ablated pass after
-    ``_ROUTES.clear()`` records from its own (real) router calls: with nothing else ablated, exactly
-    the routing the default computes on the restored state. Every other part changes the values the
-    router would see (stale or garbage: session 24's first measurement of ``combine`` collapsed the
-    routing to a few experts and "saved" 24 % of the step), and the MoE's time depends on the number
-    of distinct experts; so the other parts are only accepted together with ``router``, and are
-    measured against ``ceil_router`` (``--ab-base ceil_router``, which records the routing in its
-    arm's warm-up, captured first)."""
+    ``_ROUTES.clear()`` records from its own router calls; bench_q1 makes that a pass with nothing
+    else ablated, so the replay is exactly the routing the default computes on the restored state.
+    Every other part changes the values the router would see (stale or garbage: session 24's first
+    measurement of ``combine`` collapsed the routing to a few experts and "saved" 24 % of the step),
+    and the MoE's time depends on the number of distinct experts; so the other parts are only
+    accepted together with ``router`` and are measured against ``ceil_router`` (``--ab-base
+    ceil_router``)."""
     from runtime import fast as _fast
     parts = tuple(getattr(rnd.model, "_ablated", ())) + parts
     if "router" not in parts:
@@ -725,6 +725,45 @@ def observed_distinct(fast: FastModel, rnd: Round, st, restore) -> tuple[float, 
     return statistics.mean(verify), float(draft1)
 
 
+def run_ab(args, L: int, model: str, new_round, st, restore) -> None:
+    """The --ab pairs at context L: each variant's step graph against the default's (or --ab-base's),
+    alternating replays (``time_graph_ab``), logged and added to ROWS. Dry run: each arm's step runs
+    once eagerly instead (a check of the variants' plumbing, no timing)."""
+    _ROUTES.clear()   # ceil_router's routing: recorded anew at this context, from a pass with only
+    if any(n.startswith("ceil_") for n in args.ab + [args.ab_base or ""]):   # the router ablated
+        r_rec = new_round()
+        _ablate(r_rec, "router")
+        restore()
+        step_fn(r_rec, st)()
+        log(f"q1 ctx={L} routing recorded for the ablations: {len(_ROUTES)} (rows, router) keys")
+    r_a = new_round()
+    if args.ab_base:
+        ab_variant(args.ab_base)(r_a)
+    base = args.ab_base or "default"
+    for name in args.ab:
+        r_b = new_round()
+        if args.ab_base:
+            ab_variant(args.ab_base)(r_b)
+        ab_variant(name)(r_b)
+        name = f"{base} + {name}" if args.ab_base else name
+        if DRY_RUN:
+            for r in (r_a, r_b):
+                restore()
+                step_fn(r, st)()
+            log(f"q1 ctx={L} A/B dry run: {base} and {name} each ran one step")
+            continue
+        ab = time_graph_ab(step_fn(r_a, st), step_fn(r_b, st), restore, args.reps_fast, profile=args.profile)
+        log(f"q1 ctx={L} A/B fast graph: {base} {ab['a_ms']:.3f} ms, {name} {ab['b_ms']:.3f} ms, "
+            f"ratio {ab['ratio']:.4f} [{ab['ratio_p10']:.4f}, {ab['ratio_p90']:.4f}] (in blocks: "
+            f"{ab['a_block_ms']:.3f} / {ab['b_block_ms']:.3f} ms)")
+        for arm, ms in (("a", ab["a_ms"]), ("b", ab["b_ms"])):
+            if f"profile_{arm}" in ab:
+                log(f"profile of the {base if arm == 'a' else name} graph:")
+                PROFILES[f"{L} {base if arm == 'a' else name}"] = prof = ab.pop(f"profile_{arm}")
+                print_profile(prof, ms)
+        ROWS.append(dict(model=model, context=L, arm=f"fast-graph A/B {name}", base=base, **ab))
+
+
 def bench_q1(args, copy_bw):
     cfg, shard, ref, fast, wbytes = build_q1(args)
     contexts = (40, 150) if DRY_RUN else args.contexts
@@ -763,29 +802,9 @@ def bench_q1(args, copy_bw):
                 except Exception as e:  # reported, not fatal: the eager numbers stand
                     log(f"q1 ctx={L} fast (CUDA graph) FAILED: {type(e).__name__}: {e}")
                     res["fast-graph"] = {"error": f"{type(e).__name__}: {e}"}
-                _ROUTES.clear()   # ceil_router's routing: recorded anew at this context (_ablate)
-                r_a = Round(fast, cache, sampling, draft)
-                if args.ab_base:
-                    ab_variant(args.ab_base)(r_a)
-                base = args.ab_base or "default"
-                for name in args.ab:
-                    r_b = Round(fast, cache, sampling, draft)
-                    if args.ab_base:
-                        ab_variant(args.ab_base)(r_b)
-                    ab_variant(name)(r_b)
-                    name = f"{base} + {name}" if args.ab_base else name
-                    ab = time_graph_ab(step_fn(r_a, st), step_fn(r_b, st), restore, args.reps_fast,
-                                       profile=args.profile)
-                    log(f"q1 ctx={L} A/B fast graph: {base} {ab['a_ms']:.3f} ms, {name} {ab['b_ms']:.3f} ms, "
-                        f"ratio {ab['ratio']:.4f} [{ab['ratio_p10']:.4f}, {ab['ratio_p90']:.4f}] (in blocks: "
-                        f"{ab['a_block_ms']:.3f} / {ab['b_block_ms']:.3f} ms)")
-                    for arm, ms in (("a", ab["a_ms"]), ("b", ab["b_ms"])):
-                        if f"profile_{arm}" in ab:
-                            log(f"profile of the {base if arm == 'a' else name} graph:")
-                            PROFILES[f"{L} {base if arm == 'a' else name}"] = prof = ab.pop(f"profile_{arm}")
-                            print_profile(prof, ms)
-                    ROWS.append(dict(model=f"{cfg.name} rank0/{shard.tp_size}", context=L,
-                                     arm=f"fast-graph A/B {name}", base=base, **ab))
+            if args.ab and (DRY_RUN or (CUDA and not args.no_graph)):
+                run_ab(args, L, f"{cfg.name} rank0/{shard.tp_size}", lambda: Round(fast, cache, sampling, draft),
+                       st, restore)
             res["reference"] = time_step(step_fn(r_ref, st), restore, args.reps_ref, min(1, args.warmup))
             log(f"q1 ctx={L} reference: {res['reference']['ms']:.2f} ms/step")
         d6 = min(DISTINCT_6ROWS, cfg.num_experts)

@@ -190,7 +190,7 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
         part = (torch.full((split_k, BLOCK_M, N), float("nan"), dtype=torch.float32, device=dev) if _poison
                 else torch.empty((split_k, BLOCK_M, N), dtype=torch.float32, device=dev))
         if not fin:
-            counter = part
+            counter = part   # (unused: no arrival counter without the last arriver's sum)
     else:
         counter = part = out
     use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
@@ -216,7 +216,8 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
 
 def sum_partials(parts: torch.Tensor) -> torch.Tensor:
     """BF16 [R, N] of ``skinny_linear(..., partials=True)``'s [S, R, N]: the last arriver's arithmetic
-    (FP32 sums in slice order from zero, one rounding), in torch (the tests' and CPU paths' sum)."""
+    (FP32 sums in slice order from zero, one rounding), in torch (the tests' oracle; rope_kv_write's
+    ``qkv_parts`` does the same in its kernel)."""
     tot = torch.zeros_like(parts[0])
     for s in range(parts.shape[0]):
         tot = tot + parts[s]

@@ -157,6 +157,7 @@ def rope_kv_write(qkv, cos2, sin2, nh, nkv, k_cache, v_cache, slots, q_out=None,
     nparts, stride_p = 0, 0
     if qkv_parts is not None:
         check(qkv is None, "give qkv or qkv_parts, not both")
+        check(positions is not None or slots is not None, "qkv_parts: the rows come from positions or slots")
         check(qkv_parts.dim() == 3 and qkv_parts.dtype == torch.float32 and qkv_parts.stride(2) == 1,
               "qkv_parts [S, R, (nh + 2 nkv) d] fp32")
         T = positions.shape[0] if positions is not None else slots.shape[0]
