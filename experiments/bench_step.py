@@ -280,11 +280,12 @@ class _Patched:
 
 
 def _stale(fn, cache: dict, key=None):
-    """``fn``'s result on its first call per key (by default the shapes of its tensor arguments),
-    computed with real values during the eager warm-up, then that same tensor again without
-    launching anything."""
+    """``fn``'s result on its first call per key (by default the shapes of its tensor arguments,
+    positional and keyword), computed with real values during the eager warm-up, then that same
+    tensor again without launching anything."""
     def call(*args, **kw):
-        k = key(*args) if key else tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        k = key(*args) if key else tuple((i, tuple(a.shape)) for i, a in [*enumerate(args), *kw.items()]
+                                         if isinstance(a, torch.Tensor))
         if k not in cache:
             cache[k] = fn(*args, **kw)
         return cache[k]
