@@ -47,6 +47,7 @@ GPU time is spent on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import os
@@ -54,6 +55,7 @@ import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, critical_path, time_call, write_results  # noqa: E402  (first: --dry-run must precede triton)
@@ -263,22 +265,6 @@ def _router(rnd: Round, **kw) -> None:
                                                        weights_first=m.router_weights_first, **kw))
 
 
-class _Patched:
-    """Module attributes replaced while the block runs (``[(module, name, value)]``), restored after."""
-
-    def __init__(self, patches):
-        self.patches, self.saved = patches, []
-
-    def __enter__(self):
-        self.saved = [(mod, name, getattr(mod, name)) for mod, name, _ in self.patches]
-        for mod, name, value in self.patches:
-            setattr(mod, name, value)
-
-    def __exit__(self, *exc):
-        for mod, name, value in self.saved:
-            setattr(mod, name, value)
-
-
 def _stale(fn, cache: dict, key=None):
     """``fn``'s result on its first call per key (by default the shapes of its tensor arguments,
     positional and keyword), computed with real values during the eager warm-up, then that same
@@ -342,28 +328,36 @@ def _ablate(rnd: Round, *parts: str) -> None:
     layers = type(rnd.model)._layers_fast.__get__(rnd.model)   # the copy's, with attrs
 
     def run(*args, **kw):
-        with _Patched(patches):
+        with contextlib.ExitStack() as stack:   # module attributes replaced for the pass, then restored
+            for mod, name, value in patches:
+                stack.enter_context(mock.patch.object(mod, name, value))
             return layers(*args, **kw)
     rnd.model._layers_fast = run
+
+
+def _ceil_parts(name: str) -> list[str]:
+    """The parts of an ablation name ``ceil_{part}[+{part}...]`` ([] for any other name)."""
+    return name[len("ceil_"):].split("+") if name.startswith("ceil_") else []
 
 
 def ab_variant(name: str):
     """The A/B variant ``name``: one of AB_VARIANTS, or ``ceil_{part}[+{part}...]`` (_ablate)."""
     if name in AB_VARIANTS:
         return AB_VARIANTS[name]
-    parts = name[len("ceil_"):].split("+") if name.startswith("ceil_") else None
+    parts = _ceil_parts(name)
     if not parts or not set(parts) <= set(ABLATIONS):
         raise KeyError(name)
     return lambda rnd: _ablate(rnd, *parts)
 
 
 def check_ab_names(names: list[str], base: str | None) -> None:
-    """KeyError for an unknown name, ValueError for an ablation pair that would change the routing."""
-    base_parts = base[len("ceil_"):].split("+") if base and base.startswith("ceil_") else []
+    """KeyError for an unknown name, ValueError for an ablation pair that would change the routing
+    (``_ablate``'s rule, checked before any GPU work)."""
+    base_parts = _ceil_parts(base or "")
     for n in names + ([base] if base else []):
         ab_variant(n)
         if n.startswith("ceil_"):
-            parts = n[len("ceil_"):].split("+") + (base_parts if n != base else [])
+            parts = _ceil_parts(n) + (base_parts if n != base else [])
             if "router" not in parts:
                 raise ValueError(f"{n}: ablations other than the router change the routing; pair them "
                                  f"with it (ceil_router+{n[len('ceil_'):]}, or --ab-base ceil_router)")

@@ -144,7 +144,7 @@ def test_interp_tables():
         assert (err <= 2.0 ** -23) == ok, (start, err)
 
 
-def parts_case(R, L, shape, T, start, ring, seed, drop=False, ring_slots=False):
+def parts_case(R, L, shape, T, start, ring, seed, drop=False):
     """rope_kv_write fed the Q/K/V projection's split-K partials (``qkv_parts``) against the same
     call fed the projection's own BF16 output (its last arriver's sum): (q equal, K rows equal, V rows
     equal, untouched rows still NaN in both). ``drop``: negative control, the last slice left out."""
