@@ -69,7 +69,6 @@ from runtime.config import DraftConfig, SamplingConfig, TPConfig, load_model_con
 from runtime.engine import Engine  # noqa: E402
 from runtime.fast import FastModel  # noqa: E402
 from runtime.kernels.linear import skinny_linear  # noqa: E402
-from runtime.kernels.router import route_topk  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from runtime.parallel import make_comm  # noqa: E402
 from runtime.speculative import DecodeState, Round  # noqa: E402
@@ -258,11 +257,9 @@ def _skinny_by(rnd: Round, qkv: dict, o: dict) -> None:
 
 
 def _router(rnd: Round, **kw) -> None:
-    """rnd's model with its router kernel called with keywords ``kw`` (route_topk's)."""
-    m = rnd.model
-    _model_variant(rnd, route=lambda lw, x: route_topk(x.to(torch.bfloat16), lw.router, m.cfg.num_experts_per_tok,
-                                                       counter=m._route_counter, pdl=m.moe_pdl,
-                                                       weights_first=m.router_weights_first, **kw))
+    """rnd's model with its router kernel called with keywords ``kw`` (route_topk's; with or without
+    the fused norm)."""
+    _model_variant(rnd, router_options={**rnd.model.router_options, **kw})
 
 
 def _stale(fn, cache: dict, key=None):
@@ -303,7 +300,8 @@ def _ablate(rnd: Round, *parts: str) -> None:
     m = rnd.model = getattr(rnd.model, "_unablated", rnd.model)
     n_qkv = (m.shard.num_heads + 2 * m.shard.num_kv_heads) * m.cfg.head_dim
     h, nhd = m.cfg.hidden_size, m.shard.num_heads * m.cfg.head_dim
-    patches, attrs, cache = [], {"_ablated": parts, "_unablated": m}, {}
+    # (the parts as they are launched apart: the pre-MoE norm is its own launch again)
+    patches, attrs, cache = [], {"_ablated": parts, "_unablated": m, "fuse_router_norm": False}, {}
     stale_proj = {}
     for part in parts:
         if part == "pre_moe_norm":       # the add + RMSNorm between the output projection and the router
@@ -438,6 +436,11 @@ AB_VARIANTS = {
     # the fused Q/K/V projection's split-K partials summed by its last arriving program (the way before
     # session 24) instead of inside rope_kv_write (FastModel.qkv_sum_in_rope; same bits)
     "qkv_sum_in_linear": lambda rnd: _model_variant(rnd, qkv_sum_in_rope=False),
+    # the pre-MoE add + RMSNorm as its own launch between the output projection and the router
+    # (FastModel.fuse_router_norm, session 25: the projection adds, the router normalises)
+    "router_norm_apart": lambda rnd: _model_variant(rnd, fuse_router_norm=False),
+    # the fused router (norm=) with 4 warps per program instead of router.NORM_NUM_WARPS
+    "router_norm_w4": lambda rnd: _router(rnd, norm_num_warps=4),
     # RoPE's tables computed in every rope_kv_write program (FP64 cos / sin) instead of once per pass
     # in torch (session 15, call 2: 0.3 % slower together with the glue above; off by default)
     "kernel_rope_tables": lambda rnd: _model_variant(rnd, rope_tables_in_kernel=True),
@@ -698,21 +701,19 @@ def _weights(m: Model):
 def observed_distinct(fast: FastModel, rnd: Round, st, restore) -> tuple[float, float]:
     """Mean distinct experts per layer of the verify pass (6 rows) and of draft_first (6 rows), from
     one instrumented fast step (host reads after the step, outside any timing)."""
+    from runtime import fast as _fast
     calls = []
-    orig = fast.route
+    orig = _fast._router.route_topk
 
-    def route(lw, x):
-        ids, wts = orig(lw, x)
+    def route(*a, **k):   # the router kernel, with or without its fused norm
+        ids, wts = orig(*a, **k)
         calls.append(ids)
         return ids, wts
 
-    fast.route = route
-    try:
+    with mock.patch.object(_fast._router, "route_topk", route):
         restore()
         with torch.no_grad():
             step_fn(rnd, st)()
-    finally:
-        del fast.route
     sync()
     n = fast.cfg.num_layers
     verify = [int(torch.unique(c).numel()) for c in calls[:n]]

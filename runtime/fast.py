@@ -20,6 +20,9 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
     h    = fused_add_rmsnorm(o @ Wo^T, r, ln2)          r += attention output (h16: h as FP16); Wo: skinny_linear
     ids, weights = route_topk(h, router, 8)    FP32 router logits from the BF16 input, top 8,
                                                softmax: one kernel (the reference: 3-5 torch launches)
+                                               (fuse_router_norm: the projection does the add and
+                                               per-block sums of squares, the router the norm and
+                                               writes h and h16: one launch fewer)
     m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
     h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only); with
                                                fuse_moe_norm the MoE's reduce does this add + norm
@@ -231,6 +234,13 @@ class FastModel(Model):
         # The MoE reduce also does the next residual add + RMSNorm (one launch fewer per layer; the
         # same values: bench_step.py --ab moe_norm_apart measures it). Its per-row arrival counters:
         self.fuse_moe_norm = True
+        # The pre-MoE add + RMSNorm without a launch of its own: the output projection adds its result
+        # to the residual in its epilogue and writes per-block sums of squares
+        # (skinny_linear(residual=)), and the router normalises its slices of the residual itself,
+        # writing h and h16 as the norm did (route_topk(norm=)). The same residual; h may differ from
+        # the norm kernel's in the last bit (the sum of squares in another order).
+        # bench_step.py --ab router_norm_apart measures the old way.
+        self.fuse_router_norm = True
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
         self._log_cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
                               cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
@@ -246,6 +256,8 @@ class FastModel(Model):
         self.moe_pdl = self._moe_options.get("pdl")
         # route_topk loads its router slice before waiting for the norm (None: router.WEIGHTS_FIRST)
         self.router_weights_first = None
+        # further route_topk keywords (e.g. split_h; benchmarks' variants), in both of its calls
+        self.router_options: dict = {}
         # the norms (and the MoE reduce's fused norm) load their weight before their wait (None:
         # norm.WEIGHT_FIRST)
         self.norm_weight_first = None
@@ -349,7 +361,7 @@ class FastModel(Model):
         if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T:   # (the router is BF16)
             return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok,
                                       counter=self._route_counter, pdl=self.moe_pdl,
-                                      weights_first=self.router_weights_first)
+                                      weights_first=self.router_weights_first, **self.router_options)
         r = self._router32.get(id(lw))
         if r is None:
             return super().route(lw, x)
@@ -371,8 +383,19 @@ class FastModel(Model):
         y = self._proj(x, w, partials=self.qkv_sum_in_rope)
         return {"qkv": None, "qkv_parts": y} if y.dim() == 3 else {"qkv": y}
 
+    def _router_norm_fusable(self, rows: int) -> bool:
+        """Whether the pre-MoE add + RMSNorm may move into the output projection and the router
+        (``fuse_router_norm``): fast attention, linear, norm and MoE kernels, the one-launch router,
+        and no peer whose partial sums the add must wait for."""
+        k = self.kernels
+        return (self.fuse_router_norm and k.attention == k.linear == k.norm == k.moe == "fast"
+                and rows <= _router.BLOCK_T and not self._has_peers())
+
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
-                        cache: KVCache, tab) -> torch.Tensor:
+                        cache: KVCache, tab, residual: tuple | None = None) -> torch.Tensor:
+        """The attention block of h; with ``residual`` = (r, ssq) (``_router_norm_fusable``), the
+        output projection adds its result to r itself and writes ssq (skinny_linear(residual=));
+        returns r then."""
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
@@ -410,7 +433,11 @@ class FastModel(Model):
             q = _rope.rope_kv_write(**qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, labels=cache.labels,
                                     positions=positions, **ring, **rope)
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
-        out = self._proj(o.view(T, nh * d), lw.wo)
+        if residual is not None:   # r += o @ Wo^T (under rank emulation the all-reduce it stands in
+            # for is counted on r, a tensor of the output's shape and dtype)
+            out = _linear.skinny_linear(o.view(T, nh * d), lw.wo, counter=self._linear_counter, residual=residual)
+        else:
+            out = self._proj(o.view(T, nh * d), lw.wo)
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
     def _moe_norm_fusable(self) -> bool:
@@ -421,13 +448,14 @@ class FastModel(Model):
                 and self._moe_options.get("variant", _moe.MOE_VARIANT) == "v1")
 
     def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None,
-                  norm: tuple | None = None) -> torch.Tensor:
+                  norm: tuple | None = None, routed: tuple | None = None) -> torch.Tensor:
         """The MoE of h (BF16); ``h16``: the same values in FP16 (written by the norm before), which
         the kernel reads instead of converting h on every Gate/Up tile. ``norm`` = (r, weight): the
-        reduce also does r += MoE(h) and returns RMSNorm(r) * weight (see ``_moe_norm_fusable``)."""
+        reduce also does r += MoE(h) and returns RMSNorm(r) * weight (see ``_moe_norm_fusable``).
+        ``routed``: (ids, weights) already computed (route_topk(norm=))."""
         if self.kernels.moe == "reference":
             return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
-        ids, weights = self.route(lw, h)
+        ids, weights = self.route(lw, h) if routed is None else routed
         fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
@@ -463,13 +491,28 @@ class FastModel(Model):
         # the MoE kernel's input as FP16 (the same values), written by the norm before it
         h16 = None if self.kernels.moe == "reference" else torch.empty(r.shape, dtype=torch.float16,
                                                                           device=r.device)
+        fuse_rn = self._router_norm_fusable(r.shape[0])
+        if fuse_rn:   # the output projection's per-block sums of squares; h as the router writes it
+            wo = layers[0].wo
+            ssq = torch.empty(r.shape[0], _linear.ssq_blocks(wo.shape[0], wo.shape[1], r.device),
+                              dtype=torch.float32, device=r.device)
+            h_mid = torch.empty_like(r)
         for i, (lw, c) in enumerate(zip(layers, caches)):
-            a = self._attention_fast(lw, h, positions, c, tab)
-            h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention
+            routed = None
+            if fuse_rn:   # r += attention in the projection; h = norm(r) and the routing in the router
+                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq))
+                h = h_mid
+                routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok,
+                                            counter=self._route_counter, pdl=self.moe_pdl,
+                                            weights_first=self.router_weights_first,
+                                            norm=(r, ssq, lw.ln2, eps, h, h16), **self.router_options)
+            else:
+                a = self._attention_fast(lw, h, positions, c, tab)
+                h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention
             if i + 1 < len(layers) and self._moe_norm_fusable():
-                h = self._moe_fast(lw, h, h16, norm=(r, layers[i + 1].ln1))   # r += moe, h = norm(r)
+                h = self._moe_fast(lw, h, h16, norm=(r, layers[i + 1].ln1), routed=routed)   # r += moe, h = norm(r)
                 continue
-            m = self._moe_fast(lw, h, h16)
+            m = self._moe_fast(lw, h, h16, routed=routed)
             if i + 1 < len(layers):
                 h = add_norm(m, r, layers[i + 1].ln1, eps)   # r += moe
             else:

@@ -419,8 +419,11 @@ def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast
     for other in ("attention", "moe", "norm", "linear"):
         if other != piece:
             # (with the reference MoE the add + norm after it is its own launch again: the fast MoE's
-            # reduce does it in every layer but the last, fuse_moe_norm)
-            extra = tiny_restored["cfg"].num_layers - 1 if (piece, other) == ("moe", "norm") else 0
+            # reduce does it in every layer but the last, fuse_moe_norm; and with any of attention,
+            # linear or MoE on the reference, so is the add + norm before the MoE, which the all-fast
+            # model leaves to the output projection and the router, fuse_router_norm)
+            n = tiny_restored["cfg"].num_layers
+            extra = ((n - 1 if piece == "moe" else 0) + n) if other == "norm" else 0
             assert spy.count(other) == spy_fast.count(other) + extra and spy_fast.count(other) > 0, other
     if piece == "attention":                    # both layer kinds ran through the kernel when fast
         assert spy_fast.calls["decode_attention_full"] and spy_fast.calls["decode_attention_ring"]
@@ -920,6 +923,7 @@ def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, name):
                                                                     _real(*a, **k))[1])
             spied[fn] = (mod, getattr(mod, fn))
         default = FastModel.from_model(t["bf16"])
+        default.fuse_router_norm = False   # the ablations measure the parts as launched apart
         verify_logits(default, t["cache"], t["st"], 8)
         assert {fn: len(c) for fn, c in calls.items()} == {
             fn: (4 if modattr == "_linear" else 2) for modattr, fn, _ in skips}
@@ -976,3 +980,44 @@ def test_interpreted_qkv_sum_in_rope_same_logits(tiny_restored):
         seen.clear()
         verify_logits(fm, t["cache"], t["st"], 8)
         assert seen == [False, False]
+
+
+@cpu_only
+def test_interpreted_router_norm_fused_close_logits(tiny_restored):
+    """FastModel.fuse_router_norm: the pre-MoE add + RMSNorm done by the output projection's epilogue
+    and the router (no norm launch) gives the verify pass the logits of the norm launched apart, up to
+    the last bits that the other order of the sum of squares moves. The fused path is really taken
+    (the router receives norm=, the projection residual=, no fused_add_rmsnorm between them), and
+    off it is not (negative control of the spy). Negative control of the bound: the fused router with
+    its norm's last block of sums of squares left out (``_norm_bug``) lands far outside it."""
+    import runtime.fast as fastmod
+    from runtime.fast import FastModel
+
+    t = tiny_restored
+    seen = {"norm": 0, "residual": 0, "add_norm": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        real_route, real_lin = fastmod._router.route_topk, fastmod._linear.skinny_linear
+        real_norm = fastmod._norm.fused_add_rmsnorm
+        mp.setattr(fastmod._router, "route_topk",
+                   lambda *a, **k: (seen.__setitem__("norm", seen["norm"] + ("norm" in k)), real_route(*a, **k))[1])
+        mp.setattr(fastmod._linear, "skinny_linear",
+                   lambda *a, **k: (seen.__setitem__("residual", seen["residual"] + ("residual" in k)),
+                                    real_lin(*a, **k))[1])
+        mp.setattr(fastmod._norm, "fused_add_rmsnorm",
+                   lambda *a, **k: (seen.__setitem__("add_norm", seen["add_norm"] + 1), real_norm(*a, **k))[1])
+        out = {}
+        n = t["cfg"].num_layers
+        for on in (False, True):
+            fm = FastModel.from_model(t["bf16"])
+            fm.fuse_router_norm = on
+            seen.update(norm=0, residual=0, add_norm=0)
+            out[on] = verify_logits(fm, t["cache"], t["st"], 8).float()
+            assert seen == ({"norm": n, "residual": n, "add_norm": 0} if on
+                            else {"norm": 0, "residual": 0, "add_norm": n}), (on, seen)
+        mp.setattr(fastmod._router, "route_topk", lambda *a, **k: real_route(*a, _norm_bug="norm" in k, **k))
+        out["broken"] = verify_logits(FastModel.from_model(t["bf16"]), t["cache"], t["st"], 8).float()
+    scale = out[False].abs().max()
+    close = (out[True] - out[False]).abs().max() / scale
+    far = (out["broken"] - out[False]).abs().max() / scale
+    print(f"fused vs apart: {close:.2e}; broken vs apart: {far:.2e}")
+    assert close < 2e-2 and far > 0.1, (close, far)

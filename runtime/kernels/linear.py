@@ -53,13 +53,29 @@ MAX_ROWS = BLOCK_M
 WEIGHTS_A = True
 
 
+@triton.jit
+def _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, NB, y_ty, BUG: tl.constexpr):
+    """``residual=``: y = acc rounded to ``y_ty`` (the BF16 output the add + RMSNorm would read), the
+    residual block r = res + y rounded to the residual's dtype and stored back (``fused_add_rmsnorm``'s
+    add, the same two roundings), and each row's sum of squares of the stored r over the block into
+    SSQ[row, pn] (FP32; NB blocks per row). BUG (negative control): the sum taken over y, not r."""
+    y = acc.to(y_ty).to(tl.float32)
+    r = (res.to(tl.float32) + y).to(res.dtype)
+    tl.store(res_ptrs, r, mask=m_ok[:, None])
+    rf = r.to(tl.float32)
+    if BUG:
+        rf = y
+    tl.store(SSQ + offs_m * NB + pn, tl.sum(rf * rf, 1), mask=m_ok)
+
+
 @triton.jit(do_not_specialize=["M"], launch_metadata=launch_signature)
 def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                    N: tl.constexpr, K_SLICE: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
                    DROP_BUG: tl.constexpr = False, NO_WAIT: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
-                   FINALIZE: tl.constexpr = True):
+                   FINALIZE: tl.constexpr = True, RES=None, SSQ=None, stride_r=0,
+                   RESID: tl.constexpr = False, RESID_BUG: tl.constexpr = False):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,6 +93,10 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
+    if RESID:
+        res_ptrs = RES + offs_m[:, None] * stride_r + offs_n[None, :]
+        if SPLIT_K == 1:   # the residual block, in flight during the loop (its writer precedes the wait)
+            res = tl.load(res_ptrs, mask=m_ok[:, None], other=0.0)
     if WEIGHTS_A:   # the weight tile as the MMA's A operand: [BLOCK_N, K] x [K, rows]
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -93,7 +113,11 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
         acc = tl.trans(acc_t)
     y_ptrs = Y + offs_m[:, None] * stride_y + offs_n[None, :]
     if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
+        if RESID:
+            _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, N // BLOCK_N, Y.dtype.element_ty,
+                               RESID_BUG)
+        else:
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
     else:
         part = PART + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part + ps * (BLOCK_M * N), acc)
@@ -105,7 +129,11 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
             tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in tl.static_range(SPLIT_K):   # slice order: deterministic
                 tot += tl.load(part + s * (BLOCK_M * N), cache_modifier=".cg")
-            tl.store(y_ptrs, tot.to(Y.dtype.element_ty), mask=m_ok[:, None])
+            if RESID:
+                _residual_epilogue(tot, tl.load(res_ptrs, mask=m_ok[:, None], other=0.0), res_ptrs, SSQ, offs_m,
+                                   m_ok, pn, N // BLOCK_N, Y.dtype.element_ty, RESID_BUG)
+            else:
+                tl.store(y_ptrs, tot.to(Y.dtype.element_ty), mask=m_ok[:, None])
             tl.atomic_xchg(CNT + pn, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
 
 
@@ -145,8 +173,8 @@ def plan(N: int, K: int, sms: int) -> tuple[int, int]:
 
 
 def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, pdl=None, prefetch=None,
-                  num_stages=None, block_k=None, num_warps=None, weights_a=None, partials=False, _drop_bug=False,
-                  _poison=False, _no_wait=False):
+                  num_stages=None, block_k=None, num_warps=None, weights_a=None, partials=False, residual=None,
+                  _drop_bug=False, _poison=False, _no_wait=False, _resid_bug=False):
     """y = x @ w^T in BF16 (FP32 accumulation) for x [M, K] BF16 (M <= 16) and w [N, K] BF16.
 
     ``out`` [M, N] BF16 to write into (row stride free). ``block_n`` / ``split_k``: the tiling
@@ -163,9 +191,15 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     same FP32 additions and BF16 rounding as the last arriver, so the same bits), which takes the
     arrival counter's round trip and the sum's loads and store off the critical path; with split_k 1
     it returns y as usual.
+    ``residual`` = (res [M, N] BF16, ssq [M, N / block_n] FP32): instead of writing y, the kernel does
+    the add of ``fused_add_rmsnorm`` (res += y, y rounded to BF16 first, the sum rounded to res's
+    dtype: the same values) in its epilogue and writes each row's sum of squares of the stored res
+    over each column block into ssq (FP32, block order = column order), from which a consumer
+    normalises any slice (``router.route_topk(norm=)``: the pre-MoE add + RMSNorm without a launch of
+    its own). Returns res. ``ssq_blocks(N)`` gives ssq's width for the default tiling.
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
-    are the tests'."""
+    are the tests', as is ``_resid_bug`` (the sums of squares taken over y instead of res + y)."""
     M, K, N = check_rows_by_weight(x, w, MAX_ROWS)
     dev = x.device
     if block_n is None or split_k is None:
@@ -175,11 +209,18 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     check(block_n in (16, 32, 64, 128) and N % block_n == 0, f"block_n {block_n}: 16-128, dividing N = {N}")
     check(split_k >= 1 and K % split_k == 0 and _block_k(K // split_k) > 0,
           f"split_k {split_k}: K = {K} in slices of a multiple of 16")
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
+    if out is None:   # (with residual= nothing is written to out: res stands in for it)
+        out = residual[0] if residual is not None else torch.empty((M, N), dtype=torch.bfloat16, device=dev)
     check(out.shape == (M, N) and out.dtype == torch.bfloat16 and out.stride(1) == 1 and out.device == dev,
           "out [M, N] BF16 with contiguous rows")
     n_blocks = N // block_n
+    if residual is not None:
+        res, ssq = residual
+        check(not partials, "residual= and partials=: one epilogue")
+        check(res.shape == (M, N) and res.dtype == torch.bfloat16 and res.stride(1) == 1 and res.device == dev,
+              "residual: res [M, N] BF16 with contiguous rows on x's device")
+        check(ssq.shape == (M, n_blocks) and ssq.dtype == torch.float32 and ssq.is_contiguous()
+              and ssq.device == dev, f"residual: ssq [M, {n_blocks}] FP32, contiguous, on x's device")
     fin = not (partials and split_k > 1)
     if split_k > 1 and fin:
         if counter is None:
@@ -206,12 +247,22 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
         PDL=use_pdl, PREFETCH=use_pf, PF_CHUNK=min(1024, next_pow2(block_n * max(1, k_slice * 2 // 128))),
         DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), WEIGHTS_A=wa, num_warps=NUM_WARPS if num_warps is None else int(num_warps),
         num_stages=NUM_STAGES if num_stages is None else int(num_stages), FINALIZE=fin,
+        **(dict(RES=residual[0], SSQ=residual[1], stride_r=residual[0].stride(0), RESID=True,
+                RESID_BUG=bool(_resid_bug)) if residual is not None else {}),
         **({"launch_pdl": True} if use_pdl else {}),
     )
+    if residual is not None:
+        return residual[0]
     if not fin:   # the kernel's layout: slice s, row m at s * rows * N + m * N (rows = its BLOCK_M)
         rows = 8 if wa else BLOCK_M
         return part.view(-1)[:split_k * rows * N].view(split_k, rows, N)
     return out
+
+
+def ssq_blocks(N: int, K: int, device) -> int:
+    """Column blocks of an [N, K] weight under the default tiling on ``device``: the width of
+    ``skinny_linear(residual=)``'s ssq."""
+    return N // plan(N, K, device_sm_count(device))[0]
 
 
 def sum_partials(parts: torch.Tensor) -> torch.Tensor:

@@ -221,6 +221,17 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
     LN.skinny_linear(torch.randn(6, 6144).to(bf), torch.randn(1024, 6144).to(bf), partials=True)   # for RoPE
     LN.skinny_linear(torch.randn(6, 6144).to(bf), torch.randn(1024, 6144).to(bf), block_n=128, split_k=16,
                      _drop_bug=True, _no_wait=True)
+    # the pre-MoE norm inside the output projection (residual=) and the router (norm=): q1, mini
+    for T, E, H, K, (bn, sk) in ((6, 128, 6144, 768, (64, 1)), (8, 32, 256, 384, (32, 2))):
+        for bug in (False, True):
+            res = torch.randn(T, H).to(bf)
+            ssq = torch.empty(T, H // bn)
+            LN.skinny_linear(torch.randn(T, K).to(bf), torch.randn(H, K).to(bf), block_n=bn, split_k=sk,
+                             residual=(res, ssq), _resid_bug=bug)
+            for first, h16 in ((True, True), (False, False)):
+                RT.route_topk(None, torch.randn(E, H).to(bf), 8, weights_first=first, _norm_bug=bug,
+                              norm=(res, ssq, torch.randn(H).to(bf), 1e-6, torch.empty(T, H).to(bf),
+                                    torch.empty(T, H).half() if h16 else None))
     for seed in (torch.tensor(3), 5):                                # the round's uniforms
         U.uniform(seed, torch.arange(7), 2)
     U.uniform(3, torch.arange(7), 2, _bug=True)
