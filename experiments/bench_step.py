@@ -439,8 +439,11 @@ AB_VARIANTS = {
     # the pre-MoE add + RMSNorm as its own launch between the output projection and the router
     # (FastModel.fuse_router_norm, session 25: the projection adds, the router normalises)
     "router_norm_apart": lambda rnd: _model_variant(rnd, fuse_router_norm=False),
-    # the fused router (norm=) with 4 warps per program instead of router.NORM_NUM_WARPS
-    "router_norm_w4": lambda rnd: _router(rnd, norm_num_warps=4),
+    # the router with n warps per program (router.NUM_WARPS; fused with the norm, NORM_NUM_WARPS)
+    **{f"router_w{n}": (lambda rnd, n=n: _router(rnd, num_warps=n)) for n in (2, 4, 8, 16)},
+    # the norm apart, its router with n warps
+    **{f"router_norm_apart_w{n}": (lambda rnd, n=n: (_model_variant(rnd, fuse_router_norm=False),
+                                                    _router(rnd, num_warps=n))) for n in (8, 16)},
     # RoPE's tables computed in every rope_kv_write program (FP64 cos / sin) instead of once per pass
     # in torch (session 15, call 2: 0.3 % slower together with the glue above; off by default)
     "kernel_rope_tables": lambda rnd: _model_variant(rnd, rope_tables_in_kernel=True),

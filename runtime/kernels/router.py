@@ -186,7 +186,7 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
 
 
 def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, pdl=None, weights_first=None,
-               norm=None, norm_num_warps=None, _order_bug=False, _poison=False, _norm_bug=False):
+               norm=None, num_warps=None, _order_bug=False, _poison=False, _norm_bug=False):
     """(ids [T, k] int32, weights [T, k] FP32) of the top-k experts of FP32 logits x @ router^T.
 
     x [T, H] BF16 (T <= 16), router [E, H] BF16 (E <= 1024, k a power of two <= E). ``counter``: an
@@ -204,7 +204,7 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     from the residual as stored by ``skinny_linear(residual=(res, ssq))`` and its per-block sums of
     squares (summed in block order), and also written to ``out`` / ``out16`` as ``fused_add_rmsnorm``
     would (one program per H slice writes it): the pre-MoE norm without a launch of its own.
-    ``norm_num_warps``: warps per program with norm (default NORM_NUM_WARPS).
+    ``num_warps``: warps per program (default NUM_WARPS, with norm NORM_NUM_WARPS).
     ``_norm_bug``: its negative control (the last block's sum of squares left out)."""
     if norm is not None:
         res, ssq, nw, eps, out, out16 = norm
@@ -251,7 +251,7 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
         weights.stride(0), T,
         H=H, E=E, K=k, HS=hs, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT_H=split,
         E_POW2=e_pow2, ORDER_BUG=bool(_order_bug), PDL=use_pdl, WEIGHTS_FIRST=first,
-        HS_POW2=hs_pow2 if first else 0, num_warps=NUM_WARPS if norm is None else int(norm_num_warps or NORM_NUM_WARPS), **extra,
+        HS_POW2=hs_pow2 if first else 0, num_warps=int(num_warps or (NUM_WARPS if norm is None else NORM_NUM_WARPS)), **extra,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return ids, weights

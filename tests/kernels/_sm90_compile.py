@@ -211,6 +211,8 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
     for T, E, H in ((6, 128, 6144), (16, 32, 256)):                  # the router (q1, mini)
         for bug, first in itertools.product((False, True), (False, True)):
             RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _order_bug=bug, weights_first=first)
+        for nw in (8, 16):
+            RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, num_warps=nw)
     for (N, K, bn, sk), pdl in itertools.product(((1024, 6144, 32, 4), (6144, 768, 64, 1), (512, 256, None, None),
                                                   (1024, 6144, 128, 1)), (True, False)):   # projections (q1: 132 SMs)
         LN.skinny_linear(torch.randn(6, K).to(bf), torch.randn(N, K).to(bf), block_n=bn, split_k=sk, pdl=pdl,
@@ -228,8 +230,8 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             ssq = torch.empty(T, H // bn)
             LN.skinny_linear(torch.randn(T, K).to(bf), torch.randn(H, K).to(bf), block_n=bn, split_k=sk,
                              residual=(res, ssq), _resid_bug=bug)
-            for first, h16 in ((True, True), (False, False)):
-                RT.route_topk(None, torch.randn(E, H).to(bf), 8, weights_first=first, _norm_bug=bug,
+            for first, h16, nw in ((True, True, None), (False, False, None), (True, True, 16)):
+                RT.route_topk(None, torch.randn(E, H).to(bf), 8, weights_first=first, _norm_bug=bug, num_warps=nw,
                               norm=(res, ssq, torch.randn(H).to(bf), 1e-6, torch.empty(T, H).to(bf),
                                     torch.empty(T, H).half() if h16 else None))
     for seed in (torch.tensor(3), 5):                                # the round's uniforms
