@@ -76,14 +76,13 @@ def _tile(P, offs_r, r_ok, stride, kk, k_ok):
 
 
 @triton.jit
-def _norm_tile(RES, stride_res, offs_t, t_ok, kk, k_ok, ss, wt, OUT, stride_out, OUT16, stride_o16, eps, store,
+def _norm_tile(res, offs_t, t_ok, kk, k_ok, ss, wt, OUT, stride_out, OUT16, stride_o16, eps, store,
                H: tl.constexpr, HAS16: tl.constexpr):
-    """norm=: x[offs_t, kk] = RMSNorm(res) * weight in BF16 from the stored residual, each row's sum of
-    squares ``ss`` and the weight's slice ``wt`` (``norm.rms_scale``: the norm kernel's arithmetic);
-    where ``store`` (one program per H slice), also written to OUT (BF16) and OUT16 (the same values
-    as FP16, as ``fused_add_rmsnorm(out16=)``)."""
-    res = _tile(RES, offs_t, t_ok, stride_res, kk, k_ok).to(tl.float32)
-    o = rms_scale(res, ss[:, None], wt[None, :], H, eps).to(tl.bfloat16)
+    """norm=: x[offs_t, kk] = RMSNorm(res) * weight in BF16 from the stored residual's tile ``res``,
+    each row's sum of squares ``ss`` and the weight's slice ``wt`` (``norm.rms_scale``: the norm
+    kernel's arithmetic); where ``store`` (one program per H slice), also written to OUT (BF16) and
+    OUT16 (the same values as FP16, as ``fused_add_rmsnorm(out16=)``)."""
+    o = rms_scale(res.to(tl.float32), ss[:, None], wt[None, :], H, eps).to(tl.bfloat16)
     if store:
         ok = t_ok[:, None] & k_ok[None, :]
         tl.store(OUT + offs_t[:, None] * stride_out + kk[None, :], o, mask=ok)
@@ -123,11 +122,13 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
     if NORM:   # each row's sum of squares: the projection's per-block sums, in block order
         offs_s = tl.arange(0, NS_POW2)
         s_ok = offs_s < (NS - 1 if NORM_BUG else NS)   # (NORM_BUG, negative control: the last block left out)
-        ss = tl.sum(tl.load(SSQ + offs_t[:, None] * NS + offs_s[None, :], mask=t_ok[:, None] & s_ok[None, :],
-                            other=0.0), 1)
+        ssv = tl.load(SSQ + offs_t[:, None] * NS + offs_s[None, :], mask=t_ok[:, None] & s_ok[None, :], other=0.0)
+        if WEIGHTS_FIRST:   # the residual's slice requested before anything waits for the sums: one round trip
+            res = _tile(RES, offs_t, t_ok, stride_res, kk, k_ok)
+        ss = tl.sum(ssv, 1)
     if WEIGHTS_FIRST:
         if NORM:
-            xt = _norm_tile(RES, stride_res, offs_t, t_ok, kk, k_ok, ss, wt, OUT, stride_out, OUT16, stride_o16,
+            xt = _norm_tile(res, offs_t, t_ok, kk, k_ok, ss, wt, OUT, stride_out, OUT16, stride_o16,
                             eps, eb == 0, H, HAS16)
             KC: tl.constexpr = HS_POW2 // 128
             x3 = tl.permute(tl.reshape(xt, [BLOCK_T, KC, 128]), [1, 0, 2])
@@ -141,8 +142,8 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < h_hi
             if NORM:
-                xt = _norm_tile(RES, stride_res, offs_t, t_ok, kk, k_ok, ss, load_weight(WT, kk, k_ok), OUT,
-                                stride_out, OUT16, stride_o16, eps, eb == 0, H, HAS16)
+                xt = _norm_tile(_tile(RES, offs_t, t_ok, stride_res, kk, k_ok), offs_t, t_ok, kk, k_ok, ss,
+                                load_weight(WT, kk, k_ok), OUT, stride_out, OUT16, stride_o16, eps, eb == 0, H, HAS16)
             else:
                 xt = _tile(X, offs_t, t_ok, stride_x, kk, k_ok)
             acc += tl.dot(xt, tl.trans(_tile(R, offs_e, e_ok, stride_r, kk, k_ok)))
