@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--sets", type=int, default=6, help="rotating weight sets = calls per graph")
     ap.add_argument("--opts", default="", help="fused_moe_fp8 keywords, e.g. gu_weights_a=False,down_nb=6 "
                     "(values read as Python literals)")
+    ap.add_argument("--group-table", action="store_true", help="Gate/Up and the Down read the routing's "
+                    "group table (moe.group_table, written before the graph) instead of grouping the ids")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
     opts = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.opts.split(",") if kv)}
@@ -87,8 +89,11 @@ def main():
     n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E, down_nb=opts.get("down_nb"),
                                              down_weights_a=opts.get("down_weights_a"))
     bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
-    mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
-        x, ids, tw, *wt, o, _timeline=b if rec else None, **opts)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
+    tables = [M.group_table(ids.to(torch.int32).contiguous()) if args.group_table else None
+              for _, ids, _, _, _ in data]
+    mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b, gt=gt: M.fused_moe_fp8(   # noqa: E731
+        x, ids, tw, *wt, o, _timeline=b if rec else None, group_table=gt, **opts))
+        for (x, ids, tw, wt, o), b, gt in zip(data, bufs, tables)]
     t_plain = graph_time(mk(False))[0]
     t_rec = graph_time(mk(not DRY_RUN))[0]   # the interpreter has no global timer
     nbytes = moe_bytes(w, args.distinct)
@@ -127,6 +132,28 @@ def main():
         print(f"    {k}  {len(v) / (len(recs) - 1):5.1f}  {statistics.median(v):6.2f} us ({min(v):.2f}-{max(v):.2f})"
               f"  {k * gu_prog_bytes / (statistics.median(v) * 1e-6) / 1e9:5.1f} GB/s")
     row["per_sm_last_end_us"] = {k: statistics.median(v) for k, v in per_sm.items()}
+    # the same for the Down, from the call's last Gate/Up end (its programs' wait returns just after);
+    # and when its programs entered (resident early, or only once a Gate/Up program left its SM)
+    dn_sm, dn_entry, dn_start = {}, [], []
+    for r in recs[1:]:
+        gu = r[:n_gu][r[:n_gu, 4] == 1]
+        dn = r[n_gu:n_gu + n_dn][r[n_gu:n_gu + n_dn, 4] == 1]
+        t_gu = int(gu[:, 3].max())
+        dn_entry += ((dn[:, 1] - t_gu).double() * 1e-3).tolist()
+        dn_start += ((dn[:, 2] - t_gu).double() * 1e-3).tolist()
+        for sm in dn[:, 0].unique().tolist():
+            mine = dn[dn[:, 0] == sm]
+            dn_sm.setdefault(mine.shape[0], []).append((int(mine[:, 3].max()) - t_gu) * 1e-3)
+    dn_prog_bytes = nbytes["down"] / max(1, med["dn_active"])
+    q = lambda v, p: float(torch.quantile(torch.tensor(v), p))   # noqa: E731
+    print("  Down programs' entry / wait return, us after the last Gate/Up end: "
+          + ", ".join(f"p{int(p * 100)} {q(dn_entry, p):.2f} / {q(dn_start, p):.2f}" for p in (0.1, 0.5, 0.9, 1.0)))
+    print("  Down per SM: programs, SMs per call, last end after the last Gate/Up end (median, min-max), SM rate")
+    for k in sorted(dn_sm):
+        v = dn_sm[k]
+        print(f"    {k}  {len(v) / (len(recs) - 1):5.1f}  {statistics.median(v):6.2f} us ({min(v):.2f}-{max(v):.2f})"
+              f"  {k * dn_prog_bytes / (statistics.median(v) * 1e-6) / 1e9:5.1f} GB/s")
+    row["down_per_sm_last_end_us"] = {k: statistics.median(v) for k, v in dn_sm.items()}
     base = min(int(r[:, 1][r[:, 1] > 0].min()) for r in recs)
     # per program: SM, entry, wait, end (ns after the first entry; -1: not stamped), has work
     raw = [torch.cat([r[:, :1], torch.where(r[:, 1:4] > 0, r[:, 1:4] - base, -1), r[:, 4:5]], 1).tolist()
