@@ -444,6 +444,8 @@ AB_VARIANTS = {
     # every Gate/Up and Down program grouping the ids itself (the way before session 25) instead of
     # reading the router's group table (FastModel.moe_group_table)
     "moe_group_in_kernels": lambda rnd: _model_variant(rnd, moe_group_table=False),
+    # (probe) the router writes the group table, the MoE still groups the ids itself
+    "moe_group_table_unread": lambda rnd: _model_variant(rnd, _moe_reads_group_table=False),
     # the router with n warps per program (router.NUM_WARPS; fused with the norm, NORM_NUM_WARPS)
     **{f"router_w{n}": (lambda rnd, n=n: _router(rnd, num_warps=n)) for n in (2, 4, 8, 16)},
     # the norm apart, its router with n warps

@@ -241,13 +241,14 @@ class FastModel(Model):
         # the norm kernel's in the last bit (the sum of squares in another order).
         # bench_step.py --ab router_norm_apart measures the old way.
         self.fuse_router_norm = True
-        # The router's last program also writes the MoE's grouping of its ids (route_topk(groups=)),
-        # which Gate/Up and the Down read (moe_plan(group_table=)) instead of each of their programs
-        # grouping the ids itself (the Down's programs did so on SMs still streaming Gate/Up weights:
-        # session 25's timeline, 3.3 us from entry to wait for the median one). Same values.
+        # The router's last program also writes the MoE's groups' experts (route_topk(groups=)), which
+        # Gate/Up and the Down read (moe_plan(group_table=)) instead of each of their programs ranking
+        # every pair's expert against all others (the Down's programs did so on SMs still streaming
+        # Gate/Up weights: session 25's timeline, 3.3 us from entry to wait for the median one). Same values.
         # bench_step.py --ab moe_group_in_kernels measures the old way.
         self.moe_group_table = True
         self._group_table = torch.zeros(_moe.GT_SIZE, dtype=torch.int32, device=self.device)
+        self._moe_reads_group_table = True   # (False: the router writes it, the MoE ignores it; a probe)
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
         self._log_cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
                               cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
@@ -364,7 +365,7 @@ class FastModel(Model):
         """Whether the router writes the MoE's group table and the MoE reads it (``moe_group_table``):
         the router and MoE kernels (v1), at most ``router.BLOCK_T`` rows and 64 (row, expert) pairs."""
         return (self.moe_group_table and self.kernels.moe == "fast" and rows <= _router.BLOCK_T
-                and rows * self.cfg.num_experts_per_tok <= _moe.GT_GROUPS and rows <= _moe.GT_MEMBERS
+                and rows * self.cfg.num_experts_per_tok <= _moe.GT_GROUPS
                 and self._moe_options.get("variant", _moe.MOE_VARIANT) == "v1")
 
     def _router_kw(self, rows: int) -> dict:
@@ -478,7 +479,8 @@ class FastModel(Model):
             return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
         ids, weights = self.route(lw, h) if routed is None else routed
         fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
-        gt = dict(group_table=self._group_table) if self._group_table_usable(h.shape[0]) else {}
+        gt = (dict(group_table=self._group_table)
+              if self._group_table_usable(h.shape[0]) and self._moe_reads_group_table else {})
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2, **gt,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
                                _norm_bug=self.broken == "moe_norm_bug", norm_weight_first=self.norm_weight_first,

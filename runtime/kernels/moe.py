@@ -196,45 +196,34 @@ def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
     return expert, n_groups, pair, row_ok
 
 
-# The routing's grouping as a table (``group_table``, written once per call by the router's last
-# program: ``router.route_topk(groups=)``), read by Gate/Up and the Down instead of each program
-# computing ``_expert_group`` from the ids. int32: [0] the number of groups; [1 + g] group g's expert;
-# [1 + GT_GROUPS + g * GT_MEMBERS + m] its m-th pair (in pair order), -1 past its last.
+# The routing's experts in group order (``group_table``, written once per call by the router's last
+# program: ``router.route_topk(groups=)``): int32 [0] the number of groups (distinct experts), [1 + g]
+# group g's expert (ascending). Gate/Up and the Down read their group's expert from it and find its
+# pairs among the ids themselves (``_table_group``), instead of each program ranking every pair's
+# expert against all others (``_expert_group``'s [P, P] comparisons).
 GT_GROUPS = 64
-GT_MEMBERS = 16
-GT_SIZE = 1 + GT_GROUPS + GT_GROUPS * GT_MEMBERS
-_GT_G = tl.constexpr(GT_GROUPS)     # (the same, as the kernels see them)
-_GT_M = tl.constexpr(GT_MEMBERS)
+GT_SIZE = 1 + GT_GROUPS
 
 
 @triton.jit
 def _write_group_table(IDS, GT, P, BLOCK_P: tl.constexpr, BUG: tl.constexpr = False):
-    """The grouping of ``_expert_group`` for every group at once, into the table GT (layout above):
-    the same experts in the same order, the same members in the same order. One program; IDS holds
-    the P pairs' experts (its writes must be visible to the calling CTA). BUG (negative control of the
-    tests): members in reverse pair order."""
+    """The group table (layout above) of the P pairs' experts in IDS: one program. BUG (negative
+    control of the tests): each expert one group later (an inclusive count)."""
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < P
     e_p = tl.load(IDS + offs_p, mask=p_ok, other=-1)
     e_q = tl.load(IDS + offs_p, mask=p_ok, other=-2)
     same = (e_p[:, None] == e_q[None, :]) & p_ok[:, None] & p_ok[None, :]
-    if BUG:
-        earlier = offs_p[None, :] > offs_p[:, None]
-    else:
-        earlier = offs_p[None, :] < offs_p[:, None]
-    rank = tl.sum((same & earlier).to(tl.int32), 1)          # rank of p among its expert's pairs
     first = p_ok & (tl.sum((same & (offs_p[None, :] < offs_p[:, None])).to(tl.int32), 1) == 0)
     first_q = tl.sum((same & (offs_p[:, None] < offs_p[None, :])).to(tl.int32), 0) == 0
     first_q = first_q & p_ok
-    smaller = first_q[None, :] & (e_q[None, :] < e_p[:, None])
+    if BUG:
+        smaller = first_q[None, :] & (e_q[None, :] <= e_p[:, None])
+    else:
+        smaller = first_q[None, :] & (e_q[None, :] < e_p[:, None])
     grp = tl.sum(smaller.to(tl.int32), 1)                    # distinct experts smaller than e_p
-    n_groups = tl.sum(first.to(tl.int32), 0)
-    offs_c = tl.arange(0, _GT_G * _GT_M)
-    tl.store(GT + 1 + _GT_G + offs_c, tl.full([_GT_G * _GT_M], -1, tl.int32))
-    tl.debug_barrier()   # the clearing stores precede the members' (same CTA)
-    tl.store(GT + offs_p * 0, tl.where(offs_p == 0, n_groups, 0), mask=offs_p == 0)
+    tl.store(GT + offs_p * 0, tl.where(offs_p == 0, tl.sum(first.to(tl.int32), 0), 0), mask=offs_p == 0)
     tl.store(GT + 1 + grp, e_p, mask=first)
-    tl.store(GT + 1 + _GT_G + grp * _GT_M + rank, offs_p, mask=p_ok & (rank < _GT_M))
 
 
 @triton.jit
@@ -243,12 +232,11 @@ def _group_table_kernel(IDS, GT, P, BLOCK_P: tl.constexpr, BUG: tl.constexpr):
 
 
 def group_table(topk_ids, out=None, *, _bug=False):
-    """The group table (``GT_SIZE`` int32) of topk_ids [w, k] (int32, contiguous; w * k <= GT_GROUPS,
-    w <= GT_MEMBERS) in one one-program launch: what ``router.route_topk(groups=)`` writes alongside
-    its ids, for ids from elsewhere (and the tests). ``_bug``: members in reverse pair order."""
+    """The group table (``GT_SIZE`` int32) of topk_ids [w, k] (int32, contiguous; w * k <= GT_GROUPS)
+    in one one-program launch: what ``router.route_topk(groups=)`` writes alongside its ids, for ids
+    from elsewhere (and the tests). ``_bug``: its negative control (each expert one group late)."""
     check(topk_ids.dtype == torch.int32 and topk_ids.dim() == 2 and topk_ids.is_contiguous()
-          and topk_ids.numel() <= GT_GROUPS and topk_ids.shape[0] <= GT_MEMBERS,
-          f"topk_ids: contiguous int32 [w, k], w * k <= {GT_GROUPS}, w <= {GT_MEMBERS}")
+          and topk_ids.numel() <= GT_GROUPS, f"topk_ids: contiguous int32 [w, k], w * k <= {GT_GROUPS}")
     if out is None:
         out = torch.empty(GT_SIZE, dtype=torch.int32, device=topk_ids.device)
     check(out.dtype == torch.int32 and out.numel() >= GT_SIZE and out.is_contiguous()
@@ -259,28 +247,33 @@ def group_table(topk_ids, out=None, *, _bug=False):
 
 
 def group_table_reference(topk_ids):
-    """(n_groups, experts [n_groups], members: list of pair lists) of topk_ids, in torch: the distinct
-    experts ascending, each with its pairs (flattened (row, k) indices) in ascending order."""
-    flat = topk_ids.flatten().long().cpu()
-    experts = flat.unique()
-    return len(experts), experts, [(flat == e).nonzero().flatten().tolist() for e in experts]
+    """(number of groups, their experts ascending) of topk_ids, in torch."""
+    experts = topk_ids.flatten().long().cpu().unique()
+    return len(experts), experts
 
 
 @triton.jit
-def _table_group(GT, g, BLOCK_M: tl.constexpr):
-    """``_expert_group``'s (expert, number of groups, member pairs [BLOCK_M], mask) from the table."""
+def _table_group(IDS, GT, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``_expert_group``'s (expert, number of groups, member pairs [BLOCK_M], mask), the expert from
+    the table: its pairs are those whose id is the expert, ranked by pair index (one scan)."""
     n_groups = tl.load(GT)
     expert = tl.load(GT + 1 + g)
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = offs_p < P
+    e_p = tl.load(IDS + offs_p, mask=p_ok, other=-1)
+    match = ((e_p == expert) & p_ok).to(tl.int32)
+    rank = tl.cumsum(match, 0) - match
     offs_r = tl.arange(0, BLOCK_M)
-    pair = tl.load(GT + 1 + _GT_G + g * _GT_M + offs_r)
-    row_ok = pair >= 0
-    return expert, n_groups, tl.maximum(pair, 0), row_ok
+    hit = (match[None, :] > 0) & (rank[None, :] == offs_r[:, None])
+    pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
+    row_ok = tl.sum(hit.to(tl.int32), 1) > 0
+    return expert, n_groups, pair, row_ok
 
 
 @triton.jit
 def _group(IDS, GT, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, TABLE: tl.constexpr):
     if TABLE:
-        expert, n_groups, pair, row_ok = _table_group(GT, g, BLOCK_M)
+        expert, n_groups, pair, row_ok = _table_group(IDS, GT, g, P, BLOCK_P, BLOCK_M)
     else:
         expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
     return expert, n_groups, pair, row_ok
@@ -927,7 +920,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     if group_table is not None:
         gt = group_table
         check(variant == "v1" and gt.dtype == torch.int32 and gt.numel() >= GT_SIZE and gt.is_contiguous()
-              and gt.device == dev and P <= GT_GROUPS and w <= GT_MEMBERS,
+              and gt.device == dev and P <= GT_GROUPS,
               f"group_table (v1): the int32 group table of these ids (route_topk(groups=)), {GT_SIZE} entries")
     if variant == "v1":
         check(not _drop_split, "_drop_split is a v2 control")

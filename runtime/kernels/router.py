@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, check_rows_by_weight, launch_signature, next_pow2, pdl_supported
-from .moe import _GT_G, _GT_M, GT_SIZE
+from .moe import GT_SIZE
 from .norm import load_weight, rms_scale
 from .sampler import _KEY_MIN, _keys
 
@@ -170,15 +170,9 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         keys = tl.where((offs_a < E)[None, :], keys, _KEY_MIN)
         offs_k = tl.arange(0, K)
         top = tl.full([BLOCK_T, K], _KEY_MIN, tl.int64)
-        if GROUPS:   # the group table's members are cleared first (its scatter below follows a barrier)
-            offs_c = tl.arange(0, _GT_G * _GT_M)
-            tl.store(GT + 1 + _GT_G + offs_c, tl.full([_GT_G * _GT_M], -1, tl.int32))
-            pos = tl.zeros([BLOCK_T, E_POW2], tl.int32)
         for j in tl.static_range(K):   # K max-reductions (keys are distinct)
             m = tl.max(keys, 1)
             top = tl.where(offs_k[None, :] == j, m[:, None], top)
-            if GROUPS:   # where each row's j-th expert sits: its pair is row * K + j
-                pos = tl.where(keys == m[:, None], j, pos)
             keys = tl.where(keys == m[:, None], _KEY_MIN, keys)
         ids = (top & 0x7FFFFFFF).to(tl.int32)
         if not ORDER_BUG:
@@ -191,20 +185,13 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         ok = t_ok[:, None]
         tl.store(IDS + offs_t[:, None] * stride_ids + offs_k[None, :], ids, mask=ok)
         tl.store(WTS + offs_t[:, None] * stride_w + offs_k[None, :], wts, mask=ok)
-        if GROUPS:   # the MoE's grouping of these ids, once for all its programs (moe.GT_SIZE table):
-            # chosen[t, e]: row t picked expert e; groups are the picked experts ascending, a group's
-            # members its rows ascending (each row picks an expert once, so pair order is row order)
-            chosen = ((keys == _KEY_MIN) & (offs_a < E)[None, :] & t_ok[:, None]).to(tl.int32)
-            present = tl.max(chosen, 0)
-            grp = tl.cumsum(present, 0) - present
-            rank = tl.cumsum(chosen, 0) - chosen
-            if GROUP_BUG:   # (negative control: a group's members in reverse order)
-                rank = tl.sum(chosen, 0)[None, :] - 1 - rank
+        if GROUPS:   # the MoE's groups (moe.GT_SIZE table): the picked experts, ascending
+            present = tl.max(((keys == _KEY_MIN) & (offs_a < E)[None, :] & t_ok[:, None]).to(tl.int32), 0)
+            grp = tl.cumsum(present, 0)
+            if not GROUP_BUG:   # (GROUP_BUG, negative control: the inclusive count, one group late)
+                grp = grp - present
             tl.store(GT + offs_a * 0, tl.where(offs_a == 0, tl.sum(present, 0), 0), mask=offs_a == 0)
             tl.store(GT + 1 + grp, offs_a, mask=present > 0)
-            tl.debug_barrier()   # the clearing stores above precede the members'
-            tl.store(GT + 1 + _GT_G + grp[None, :] * _GT_M + rank, offs_t[:, None] * K + pos,
-                     mask=(chosen > 0) & (rank < _GT_M))
         tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
 
 
@@ -231,8 +218,8 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     ``num_warps``: warps per program (default NUM_WARPS, with norm NORM_NUM_WARPS).
     ``groups``: an int32 buffer of ``moe.GT_SIZE`` entries into which the last program also writes the
     MoE's grouping of the ids (``moe_plan(group_table=)``: Gate/Up and the Down then read it instead
-    of each program grouping the ids), from its top-k selection (no reload of the ids). ``_group_bug``: its negative
-    control (each expert's pairs in reverse order).
+    of each program ranking every pair's expert), from its top-k selection. ``_group_bug``: its negative
+    control (each expert one group late).
     ``_norm_bug``: its negative control (the last block's sum of squares left out)."""
     if norm is not None:
         res, ssq, nw, eps, out, out16 = norm
