@@ -301,9 +301,7 @@ def _ablate(rnd: Round, *parts: str) -> None:
     n_qkv = (m.shard.num_heads + 2 * m.shard.num_kv_heads) * m.cfg.head_dim
     h, nhd = m.cfg.hidden_size, m.shard.num_heads * m.cfg.head_dim
     # (the parts as they are launched apart: the pre-MoE norm is its own launch again)
-    # (and the MoE groups the replayed ids itself: the replay writes no group table)
-    patches, attrs, cache = [], {"_ablated": parts, "_unablated": m, "fuse_router_norm": False,
-                                 "moe_group_table": False}, {}
+    patches, attrs, cache = [], {"_ablated": parts, "_unablated": m, "fuse_router_norm": False}, {}
     stale_proj = {}
     for part in parts:
         if part == "pre_moe_norm":       # the add + RMSNorm between the output projection and the router
@@ -441,11 +439,6 @@ AB_VARIANTS = {
     # the pre-MoE add + RMSNorm as its own launch between the output projection and the router
     # (FastModel.fuse_router_norm, session 25: the projection adds, the router normalises)
     "router_norm_apart": lambda rnd: _model_variant(rnd, fuse_router_norm=False),
-    # every Gate/Up and Down program grouping the ids itself (the way before session 25) instead of
-    # reading the router's group table (FastModel.moe_group_table)
-    "moe_group_in_kernels": lambda rnd: _model_variant(rnd, moe_group_table=False),
-    # (probe) the router writes the group table, the MoE still groups the ids itself
-    "moe_group_table_unread": lambda rnd: _model_variant(rnd, _moe_reads_group_table=False),
     # the router with n warps per program (router.NUM_WARPS; fused with the norm, NORM_NUM_WARPS)
     **{f"router_w{n}": (lambda rnd, n=n: _router(rnd, num_warps=n)) for n in (2, 4, 8, 16)},
     # the norm apart, its router with n warps

@@ -77,8 +77,6 @@ def main():
     ap.add_argument("--sets", type=int, default=6, help="rotating weight sets = calls per graph")
     ap.add_argument("--opts", default="", help="fused_moe_fp8 keywords, e.g. gu_weights_a=False,down_nb=6 "
                     "(values read as Python literals)")
-    ap.add_argument("--group-table", action="store_true", help="Gate/Up and the Down read the routing's "
-                    "group table (moe.group_table, written before the graph) instead of grouping the ids")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
     opts = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.opts.split(",") if kv)}
@@ -89,11 +87,8 @@ def main():
     n_gu, n_dn, n_red = M.timeline_programs(w, H, I, E, down_nb=opts.get("down_nb"),
                                              down_weights_a=opts.get("down_weights_a"))
     bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
-    tables = [M.group_table(ids.to(torch.int32).contiguous()) if args.group_table else None
-              for _, ids, _, _, _ in data]
-    mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b, gt=gt: M.fused_moe_fp8(   # noqa: E731
-        x, ids, tw, *wt, o, _timeline=b if rec else None, group_table=gt, **opts))
-        for (x, ids, tw, wt, o), b, gt in zip(data, bufs, tables)]
+    mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
+        x, ids, tw, *wt, o, _timeline=b if rec else None, **opts)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
     t_plain = graph_time(mk(False))[0]
     t_rec = graph_time(mk(not DRY_RUN))[0]   # the interpreter has no global timer
     nbytes = moe_bytes(w, args.distinct)

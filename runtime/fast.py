@@ -241,14 +241,6 @@ class FastModel(Model):
         # the norm kernel's in the last bit (the sum of squares in another order).
         # bench_step.py --ab router_norm_apart measures the old way.
         self.fuse_router_norm = True
-        # The router's last program also writes the MoE's groups' experts (route_topk(groups=)), which
-        # Gate/Up and the Down read (moe_plan(group_table=)) instead of each of their programs ranking
-        # every pair's expert against all others (the Down's programs did so on SMs still streaming
-        # Gate/Up weights: session 25's timeline, 3.3 us from entry to wait for the median one). Same values.
-        # bench_step.py --ab moe_group_in_kernels measures the old way.
-        self.moe_group_table = True
-        self._group_table = torch.zeros(_moe.GT_SIZE, dtype=torch.int32, device=self.device)
-        self._moe_reads_group_table = True   # (False: the router writes it, the MoE ignores it; a probe)
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
         self._log_cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
                               cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
@@ -361,21 +353,6 @@ class FastModel(Model):
         rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
         return (xf * cos2 + rot * sin2).to(x.dtype)
 
-    def _group_table_usable(self, rows: int) -> bool:
-        """Whether the router writes the MoE's group table and the MoE reads it (``moe_group_table``):
-        the router and MoE kernels (v1), at most ``router.BLOCK_T`` rows and 64 (row, expert) pairs."""
-        return (self.moe_group_table and self.kernels.moe == "fast" and rows <= _router.BLOCK_T
-                and rows * self.cfg.num_experts_per_tok <= _moe.GT_GROUPS
-                and self._moe_options.get("variant", _moe.MOE_VARIANT) == "v1")
-
-    def _router_kw(self, rows: int) -> dict:
-        """route_topk's keywords besides its inputs (both of its calls: with and without the norm)."""
-        kw = dict(counter=self._route_counter, pdl=self.moe_pdl, weights_first=self.router_weights_first,
-                  **self.router_options)
-        if self._group_table_usable(rows):
-            kw["groups"] = self._group_table
-        return kw
-
     def route(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As the reference (FP32 logits from the BF16-rounded input). With ``kernels.moe=fast``, a
         decode pass (at most ``_router.BLOCK_T`` rows) routes in one launch (``route_topk``: ids int32,
@@ -383,7 +360,8 @@ class FastModel(Model):
         otherwise torch with the FP32 router kept."""
         if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T:   # (the router is BF16)
             return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok,
-                                      **self._router_kw(x.shape[0]))
+                                      counter=self._route_counter, pdl=self.moe_pdl,
+                                      weights_first=self.router_weights_first, **self.router_options)
         r = self._router32.get(id(lw))
         if r is None:
             return super().route(lw, x)
@@ -479,9 +457,7 @@ class FastModel(Model):
             return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
         ids, weights = self.route(lw, h) if routed is None else routed
         fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
-        gt = (dict(group_table=self._group_table)
-              if self._group_table_usable(h.shape[0]) and self._moe_reads_group_table else {})
-        y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2, **gt,
+        y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
                                _norm_bug=self.broken == "moe_norm_bug", norm_weight_first=self.norm_weight_first,
                                **self._moe_options)
@@ -527,7 +503,9 @@ class FastModel(Model):
                 self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq))
                 h = h_mid
                 routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok,
-                                            norm=(r, ssq, lw.ln2, eps, h, h16), **self._router_kw(r.shape[0]))
+                                            counter=self._route_counter, pdl=self.moe_pdl,
+                                            weights_first=self.router_weights_first,
+                                            norm=(r, ssq, lw.ln2, eps, h, h16), **self.router_options)
             else:
                 a = self._attention_fast(lw, h, positions, c, tab)
                 h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention

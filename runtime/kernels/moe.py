@@ -196,89 +196,6 @@ def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
     return expert, n_groups, pair, row_ok
 
 
-# The routing's experts in group order (``group_table``, written once per call by the router's last
-# program: ``router.route_topk(groups=)``): int32 [0] the number of groups (distinct experts), [1 + g]
-# group g's expert (ascending). Gate/Up and the Down read their group's expert from it and find its
-# pairs among the ids themselves (``_table_group``), instead of each program ranking every pair's
-# expert against all others (``_expert_group``'s [P, P] comparisons).
-GT_GROUPS = 64
-GT_SIZE = 1 + GT_GROUPS
-
-
-@triton.jit
-def _write_group_table(IDS, GT, P, BLOCK_P: tl.constexpr, BUG: tl.constexpr = False):
-    """The group table (layout above) of the P pairs' experts in IDS: one program. BUG (negative
-    control of the tests): each expert one group later (an inclusive count)."""
-    offs_p = tl.arange(0, BLOCK_P)
-    p_ok = offs_p < P
-    e_p = tl.load(IDS + offs_p, mask=p_ok, other=-1)
-    e_q = tl.load(IDS + offs_p, mask=p_ok, other=-2)
-    same = (e_p[:, None] == e_q[None, :]) & p_ok[:, None] & p_ok[None, :]
-    first = p_ok & (tl.sum((same & (offs_p[None, :] < offs_p[:, None])).to(tl.int32), 1) == 0)
-    first_q = tl.sum((same & (offs_p[:, None] < offs_p[None, :])).to(tl.int32), 0) == 0
-    first_q = first_q & p_ok
-    if BUG:
-        smaller = first_q[None, :] & (e_q[None, :] <= e_p[:, None])
-    else:
-        smaller = first_q[None, :] & (e_q[None, :] < e_p[:, None])
-    grp = tl.sum(smaller.to(tl.int32), 1)                    # distinct experts smaller than e_p
-    tl.store(GT + offs_p * 0, tl.where(offs_p == 0, tl.sum(first.to(tl.int32), 0), 0), mask=offs_p == 0)
-    tl.store(GT + 1 + grp, e_p, mask=first)
-
-
-@triton.jit
-def _group_table_kernel(IDS, GT, P, BLOCK_P: tl.constexpr, BUG: tl.constexpr):
-    _write_group_table(IDS, GT, P, BLOCK_P, BUG)
-
-
-def group_table(topk_ids, out=None, *, _bug=False):
-    """The group table (``GT_SIZE`` int32) of topk_ids [w, k] (int32, contiguous; w * k <= GT_GROUPS)
-    in one one-program launch: what ``router.route_topk(groups=)`` writes alongside its ids, for ids
-    from elsewhere (and the tests). ``_bug``: its negative control (each expert one group late)."""
-    check(topk_ids.dtype == torch.int32 and topk_ids.dim() == 2 and topk_ids.is_contiguous()
-          and topk_ids.numel() <= GT_GROUPS, f"topk_ids: contiguous int32 [w, k], w * k <= {GT_GROUPS}")
-    if out is None:
-        out = torch.empty(GT_SIZE, dtype=torch.int32, device=topk_ids.device)
-    check(out.dtype == torch.int32 and out.numel() >= GT_SIZE and out.is_contiguous()
-          and out.device == topk_ids.device, f"out: {GT_SIZE} contiguous int32 on the ids' device")
-    P = topk_ids.numel()
-    _group_table_kernel[(1,)](topk_ids, out, P, BLOCK_P=max(16, next_pow2(P)), BUG=bool(_bug), num_warps=4)
-    return out
-
-
-def group_table_reference(topk_ids):
-    """(number of groups, their experts ascending) of topk_ids, in torch."""
-    experts = topk_ids.flatten().long().cpu().unique()
-    return len(experts), experts
-
-
-@triton.jit
-def _table_group(IDS, GT, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``_expert_group``'s (expert, number of groups, member pairs [BLOCK_M], mask), the expert from
-    the table: its pairs are those whose id is the expert, ranked by pair index (one scan)."""
-    n_groups = tl.load(GT)
-    expert = tl.load(GT + 1 + g)
-    offs_p = tl.arange(0, BLOCK_P)
-    p_ok = offs_p < P
-    e_p = tl.load(IDS + offs_p, mask=p_ok, other=-1)
-    match = ((e_p == expert) & p_ok).to(tl.int32)
-    rank = tl.cumsum(match, 0) - match
-    offs_r = tl.arange(0, BLOCK_M)
-    hit = (match[None, :] > 0) & (rank[None, :] == offs_r[:, None])
-    pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
-    row_ok = tl.sum(hit.to(tl.int32), 1) > 0
-    return expert, n_groups, pair, row_ok
-
-
-@triton.jit
-def _group(IDS, GT, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, TABLE: tl.constexpr):
-    if TABLE:
-        expert, n_groups, pair, row_ok = _table_group(IDS, GT, g, P, BLOCK_P, BLOCK_M)
-    else:
-        expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
-    return expert, n_groups, pair, row_ok
-
-
 @triton.jit
 def _e4m3_bits(a):
     """FP32 values with |a| <= 448 -> E4M3 (fn) bit patterns, round to nearest even, as uint8."""
@@ -331,7 +248,6 @@ def _moe_gate_up_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
     WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
-    GT=None, TABLE: tl.constexpr = False,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
@@ -348,7 +264,7 @@ def _moe_gate_up_kernel(
     # the wait above; released earlier, it read stale ids: the H200 showed illegal addresses).
     if PDL:
         gdc_launch_dependents()
-    expert, n_groups, pair, row_ok = _group(IDS, GT, g, P, BLOCK_P, BLOCK_M, TABLE)
+    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
     op_ty = tl.float16 if F16 else tl.bfloat16
     if g < n_groups:
         tok = pair // TOPK
@@ -445,7 +361,7 @@ def _moe_down_wide_kernel(
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
     F16: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
-    WEIGHTS_A: tl.constexpr = False, GT=None, TABLE: tl.constexpr = False,
+    WEIGHTS_A: tl.constexpr = False,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
@@ -457,9 +373,8 @@ def _moe_down_wide_kernel(
     _stamp(TL, prog, 1, TIMELINE)
     if PDL:
         gdc_launch_dependents()
-    # IDS (and the group table) and the weights were final before Gate/Up released this kernel: safe to
-    # read before the wait
-    expert, n_groups, pair, row_ok = _group(IDS, GT, g, P, BLOCK_P, BLOCK_M, TABLE)
+    # IDS and the weights were final before Gate/Up released this kernel: safe to read before the wait
+    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
     if g < n_groups:
         if PDL:
             for j in tl.static_range(PREFETCH):
@@ -752,7 +667,7 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
-                    weights_a=False, maxnreg=None, groups=None):
+                    weights_a=False, maxnreg=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``weights_a``: the weights as the
     MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
@@ -767,7 +682,6 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
         UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
-        GT=ids if groups is None else groups, TABLE=groups is not None,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
         **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
@@ -790,7 +704,7 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
 
 def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
                       act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0,
-                      weights_a=False, groups=None):
+                      weights_a=False):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256); ``weights_a``: the weight
     tile as the MMA's A operand (at most 8 pairs per expert)."""
     E, H, I = w2.shape
@@ -804,8 +718,7 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
         F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
         NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
-        WEIGHTS_A=weights_a, GT=ids if groups is None else groups, TABLE=groups is not None,
-        num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+        WEIGHTS_A=weights_a, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -891,8 +804,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
-             group_table=None):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -917,11 +829,6 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     if out is None:
         out = torch.empty((w, H), device=dev, dtype=torch.bfloat16)
     check(out.shape == (w, H) and out.stride(1) == 1, "out [w, H]")
-    if group_table is not None:
-        gt = group_table
-        check(variant == "v1" and gt.dtype == torch.int32 and gt.numel() >= GT_SIZE and gt.is_contiguous()
-              and gt.device == dev and P <= GT_GROUPS,
-              f"group_table (v1): the int32 group table of these ids (route_topk(groups=)), {GT_SIZE} entries")
     if variant == "v1":
         check(not _drop_split, "_drop_split is a v2 control")
         # the wide Down holds the whole expert width (I <= 256, a q1 shard under TP >= 8) in one
@@ -955,14 +862,14 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
                                                 no_wait=_gu_no_wait, tl_buf=_timeline, weights_a=gwa,
-                                                maxnreg=gu_maxnreg, groups=group_table)),
+                                                maxnreg=gu_maxnreg)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait,
-                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa, groups=group_table))),
+                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
                                               norm_bug=_norm_bug, weight_first=norm_weight_first,
                                               tl_buf=_timeline, tl_base=n_gu + n_dn)),
@@ -1027,8 +934,6 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     ``counter`` int32 zeros, at least w, left zero by each call) - the MoE output itself is then not
     written; ``norm_weight_first``: its weight loaded before the reduce's wait (default
     norm.WEIGHT_FIRST); ``_norm_bug``: its negative control (a block left out of the sum of squares).
-    ``group_table``: the routing's grouping as ``route_topk(groups=)`` wrote it for these ids (v1:
-    Gate/Up and the wide Down read their group from it instead of computing it from the ids).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction; ``_pdl_no_wait``
     launches the wide Down early (pdl) without its wait; ``_gu_no_wait`` the same for Gate/Up.

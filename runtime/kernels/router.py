@@ -40,7 +40,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, check_rows_by_weight, launch_signature, next_pow2, pdl_supported
-from .moe import GT_SIZE
 from .norm import load_weight, rms_scale
 from .sampler import _KEY_MIN, _keys
 
@@ -101,8 +100,7 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
                    HS_POW2: tl.constexpr = 0, RES=None, SSQ=None, WT=None, OUT=None, OUT16=None,
                    stride_res=0, stride_out=0, stride_o16=0, eps=0.0, NS: tl.constexpr = 1,
                    NS_POW2: tl.constexpr = 1, NORM: tl.constexpr = False, HAS16: tl.constexpr = False,
-                   NORM_BUG: tl.constexpr = False, GT=None, GROUPS: tl.constexpr = False,
-                   GROUP_BUG: tl.constexpr = False):
+                   NORM_BUG: tl.constexpr = False):
     eb = tl.program_id(0)
     hs = tl.program_id(1)
     n_prog = tl.num_programs(0) * tl.num_programs(1)
@@ -185,19 +183,11 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         ok = t_ok[:, None]
         tl.store(IDS + offs_t[:, None] * stride_ids + offs_k[None, :], ids, mask=ok)
         tl.store(WTS + offs_t[:, None] * stride_w + offs_k[None, :], wts, mask=ok)
-        if GROUPS:   # the MoE's groups (moe.GT_SIZE table): the picked experts, ascending
-            present = tl.max(((keys == _KEY_MIN) & (offs_a < E)[None, :] & t_ok[:, None]).to(tl.int32), 0)
-            grp = tl.cumsum(present, 0)
-            if not GROUP_BUG:   # (GROUP_BUG, negative control: the inclusive count, one group late)
-                grp = grp - present
-            tl.store(GT + offs_a * 0, tl.where(offs_a == 0, tl.sum(present, 0), 0), mask=offs_a == 0)
-            tl.store(GT + 1 + grp, offs_a, mask=present > 0)
         tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
 
 
 def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, pdl=None, weights_first=None,
-               norm=None, num_warps=None, groups=None, _order_bug=False, _poison=False, _norm_bug=False,
-               _group_bug=False):
+               norm=None, num_warps=None, _order_bug=False, _poison=False, _norm_bug=False):
     """(ids [T, k] int32, weights [T, k] FP32) of the top-k experts of FP32 logits x @ router^T.
 
     x [T, H] BF16 (T <= 16), router [E, H] BF16 (E <= 1024, k a power of two <= E). ``counter``: an
@@ -216,10 +206,6 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     squares (summed in block order), and also written to ``out`` / ``out16`` as ``fused_add_rmsnorm``
     would (one program per H slice writes it): the pre-MoE norm without a launch of its own.
     ``num_warps``: warps per program (default NUM_WARPS, with norm NORM_NUM_WARPS).
-    ``groups``: an int32 buffer of ``moe.GT_SIZE`` entries into which the last program also writes the
-    MoE's grouping of the ids (``moe_plan(group_table=)``: Gate/Up and the Down then read it instead
-    of each program ranking every pair's expert), from its top-k selection. ``_group_bug``: its negative
-    control (each expert one group late).
     ``_norm_bug``: its negative control (the last block's sum of squares left out)."""
     if norm is not None:
         res, ssq, nw, eps, out, out16 = norm
@@ -261,11 +247,6 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
                      stride_res=res.stride(0), stride_out=out.stride(0),
                      stride_o16=out16.stride(0) if out16 is not None else 0, eps=float(eps), NS=n_s,
                      NS_POW2=next_pow2(n_s), NORM=True, HAS16=out16 is not None, NORM_BUG=bool(_norm_bug))
-    if groups is not None:
-        check(groups.dtype == torch.int32 and groups.numel() >= GT_SIZE and groups.is_contiguous()
-              and groups.device == dev and T * k <= 64,
-              f"groups: int32, {GT_SIZE} contiguous entries on x's device; T * k <= 64")
-        extra.update(GT=groups, GROUPS=True, GROUP_BUG=bool(_group_bug))
     _router_kernel[(triton.cdiv(E, BLOCK_E), split)](
         x, router, part, counter, ids, weights, x.stride(0), router.stride(0), ids.stride(0),
         weights.stride(0), T,

@@ -167,9 +167,6 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             for gwa, dwa in ((False, False), (False, True), (True, False)):   # the MMA's A operand: x or
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug,   # the weights
                                 gu_weights_a=gwa, down_weights_a=dwa)
-            M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,   # the router's
-                            group_table=torch.zeros(M.GT_SIZE, dtype=torch.int32))                   # group table
-            M.group_table(ids, _bug=bug)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
             for first in (True, False):                         # + add + norm (its weight before the wait)
@@ -216,10 +213,6 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _order_bug=bug, weights_first=first)
         for nw in (8, 16):
             RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, num_warps=nw)
-        if T * 8 <= 64:
-            for bug in (False, True):                                 # + the MoE's group table
-                RT.route_topk(torch.randn(T, H).to(bf), torch.randn(E, H).to(bf), 8, _group_bug=bug,
-                              groups=torch.zeros(1089, dtype=torch.int32))
     for (N, K, bn, sk), pdl in itertools.product(((1024, 6144, 32, 4), (6144, 768, 64, 1), (512, 256, None, None),
                                                   (1024, 6144, 128, 1)), (True, False)):   # projections (q1: 132 SMs)
         LN.skinny_linear(torch.randn(6, K).to(bf), torch.randn(N, K).to(bf), block_n=bn, split_k=sk, pdl=pdl,
@@ -239,7 +232,6 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                              residual=(res, ssq), _resid_bug=bug)
             for first, h16, nw in ((True, True, None), (False, False, None), (True, True, 16)):
                 RT.route_topk(None, torch.randn(E, H).to(bf), 8, weights_first=first, _norm_bug=bug, num_warps=nw,
-                              groups=torch.zeros(1089, dtype=torch.int32),
                               norm=(res, ssq, torch.randn(H).to(bf), 1e-6, torch.empty(T, H).to(bf),
                                     torch.empty(T, H).half() if h16 else None))
     for seed in (torch.tensor(3), 5):                                # the round's uniforms
