@@ -17,8 +17,9 @@ program (the call boundary):
 
 It also times the same graph without records (the stamps' cost) and prints the DRAM-side reading:
 the bytes of the distinct experts over the time between the Gate/Up's last wait and the Down's
-last end, against the copy bandwidth; and per SM, by how many Gate/Up programs it held, when its last
-one ended (after the call's first Gate/Up wait) and the SM's rate. Prints a table; $OUT/timeline_moe.json / .csv hold the
+last end, against the copy bandwidth; per SM, by how many Gate/Up programs it held, when its last
+one ended (after the call's first Gate/Up wait) and the SM's rate; the same for the Down (after the
+call's last Gate/Up end), and when the Down's programs entered and passed their wait. Prints a table; $OUT/timeline_moe.json / .csv hold the
 summaries and the raw records of every call (per program: SM, entry, wait, end in ns after the
 first call's first entry, has-work flag), from which per-SM loads can be read.
 """
