@@ -66,6 +66,24 @@ def phases(rec, n_gu, n_dn, prev_end):
     }
 
 
+def _sm_last_ends(progs, t0, per_sm):
+    """Add, per SM among ``progs`` (records with work), its last program's end after t0 (us) to
+    per_sm[number of those programs on the SM]."""
+    for sm in progs[:, 0].unique().tolist():
+        mine = progs[progs[:, 0] == sm]
+        per_sm.setdefault(mine.shape[0], []).append((int(mine[:, 3].max()) - t0) * 1e-3)
+
+
+def _print_per_sm(per_sm, prog_bytes, n_calls):
+    """Print per_sm's rows (programs, SMs per call, last end median (min-max), the SM's rate at
+    ``prog_bytes`` per program); returns {programs: median last end}."""
+    for k in sorted(per_sm):
+        v = per_sm[k]
+        print(f"    {k}  {len(v) / n_calls:5.1f}  {statistics.median(v):6.2f} us ({min(v):.2f}-{max(v):.2f})"
+              f"  {k * prog_bytes / (statistics.median(v) * 1e-6) / 1e9:5.1f} GB/s")
+    return {k: statistics.median(v) for k, v in per_sm.items()}
+
+
 KEYS = ["gu_entry_first", "gu_wait_last", "gu_end_first", "gu_end_med", "gu_end_p90", "gu_end_last",
         "gu_busy_med", "gu_busy_max", "dn_entry_first", "dn_wait_last", "dn_end_med", "dn_end_last",
         "dn_busy_med", "red_wait_last", "red_end_last"]
@@ -117,17 +135,9 @@ def main():
     per_sm = {}
     for r in recs[1:]:
         gu = r[:n_gu][r[:n_gu, 4] == 1]
-        t0 = int(gu[:, 2].min())
-        for sm in gu[:, 0].unique().tolist():
-            mine = gu[gu[:, 0] == sm]
-            per_sm.setdefault(mine.shape[0], []).append((int(mine[:, 3].max()) - t0) * 1e-3)
-    gu_prog_bytes = nbytes["gate_up"] / max(1, med["gu_active"])
+        _sm_last_ends(gu, int(gu[:, 2].min()), per_sm)
     print("  Gate/Up per SM: programs, SMs per call, last end (median, min-max), SM rate")
-    for k in sorted(per_sm):
-        v = per_sm[k]
-        print(f"    {k}  {len(v) / (len(recs) - 1):5.1f}  {statistics.median(v):6.2f} us ({min(v):.2f}-{max(v):.2f})"
-              f"  {k * gu_prog_bytes / (statistics.median(v) * 1e-6) / 1e9:5.1f} GB/s")
-    row["per_sm_last_end_us"] = {k: statistics.median(v) for k, v in per_sm.items()}
+    row["per_sm_last_end_us"] = _print_per_sm(per_sm, nbytes["gate_up"] / max(1, med["gu_active"]), len(recs) - 1)
     # the same for the Down, from the call's last Gate/Up end (its programs' wait returns just after);
     # and when its programs entered (resident early, or only once a Gate/Up program left its SM)
     dn_sm, dn_entry, dn_start = {}, [], []
@@ -137,19 +147,12 @@ def main():
         t_gu = int(gu[:, 3].max())
         dn_entry += ((dn[:, 1] - t_gu).double() * 1e-3).tolist()
         dn_start += ((dn[:, 2] - t_gu).double() * 1e-3).tolist()
-        for sm in dn[:, 0].unique().tolist():
-            mine = dn[dn[:, 0] == sm]
-            dn_sm.setdefault(mine.shape[0], []).append((int(mine[:, 3].max()) - t_gu) * 1e-3)
-    dn_prog_bytes = nbytes["down"] / max(1, med["dn_active"])
+        _sm_last_ends(dn, t_gu, dn_sm)
     q = lambda v, p: float(torch.quantile(torch.tensor(v), p))   # noqa: E731
     print("  Down programs' entry / wait return, us after the last Gate/Up end: "
           + ", ".join(f"p{int(p * 100)} {q(dn_entry, p):.2f} / {q(dn_start, p):.2f}" for p in (0.1, 0.5, 0.9, 1.0)))
     print("  Down per SM: programs, SMs per call, last end after the last Gate/Up end (median, min-max), SM rate")
-    for k in sorted(dn_sm):
-        v = dn_sm[k]
-        print(f"    {k}  {len(v) / (len(recs) - 1):5.1f}  {statistics.median(v):6.2f} us ({min(v):.2f}-{max(v):.2f})"
-              f"  {k * dn_prog_bytes / (statistics.median(v) * 1e-6) / 1e9:5.1f} GB/s")
-    row["down_per_sm_last_end_us"] = {k: statistics.median(v) for k, v in dn_sm.items()}
+    row["down_per_sm_last_end_us"] = _print_per_sm(dn_sm, nbytes["down"] / max(1, med["dn_active"]), len(recs) - 1)
     base = min(int(r[:, 1][r[:, 1] > 0].min()) for r in recs)
     # per program: SM, entry, wait, end (ns after the first entry; -1: not stamped), has work
     raw = [torch.cat([r[:, :1], torch.where(r[:, 1:4] > 0, r[:, 1:4] - base, -1), r[:, 4:5]], 1).tolist()
