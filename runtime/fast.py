@@ -353,15 +353,18 @@ class FastModel(Model):
         rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
         return (xf * cos2 + rot * sin2).to(x.dtype)
 
+    def _router_kw(self) -> dict:
+        """route_topk's keywords besides its inputs (both of its calls: with and without the norm)."""
+        return dict(counter=self._route_counter, pdl=self.moe_pdl, weights_first=self.router_weights_first,
+                    **self.router_options)
+
     def route(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As the reference (FP32 logits from the BF16-rounded input). With ``kernels.moe=fast``, a
         decode pass (at most ``_router.BLOCK_T`` rows) routes in one launch (``route_topk``: ids int32,
         the logits summed in another order than cuBLAS's, so near ties may resolve differently);
         otherwise torch with the FP32 router kept."""
         if self.kernels.moe == "fast" and x.shape[0] <= _router.BLOCK_T:   # (the router is BF16)
-            return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok,
-                                      counter=self._route_counter, pdl=self.moe_pdl,
-                                      weights_first=self.router_weights_first, **self.router_options)
+            return _router.route_topk(x.to(_BF16), lw.router, self.cfg.num_experts_per_tok, **self._router_kw())
         r = self._router32.get(id(lw))
         if r is None:
             return super().route(lw, x)
@@ -370,12 +373,14 @@ class FastModel(Model):
         return ids, torch.softmax(top, dim=-1)
 
     # ---- decode-mode pieces on the kernels ----------------------------------------------------------
-    def _proj(self, x: torch.Tensor, w: torch.Tensor, partials: bool = False) -> torch.Tensor:
+    def _proj(self, x: torch.Tensor, w: torch.Tensor, partials: bool = False,
+              residual: tuple | None = None) -> torch.Tensor:
         """x @ w^T (BF16): skinny_linear with kernels.linear=fast, torch matmul otherwise.
-        ``partials``: skinny_linear's split-K partials (FP32 [S, R, N]) where it splits K."""
+        ``partials``: skinny_linear's split-K partials (FP32 [S, R, N]) where it splits K.
+        ``residual`` = (r, ssq) (fast only): r += x @ w^T and its per-block sums of squares instead."""
         if self.kernels.linear == "reference":
             return x @ w.T
-        return _linear.skinny_linear(x, w, counter=self._linear_counter, partials=partials)
+        return _linear.skinny_linear(x, w, counter=self._linear_counter, partials=partials, residual=residual)
 
     def _proj_qkv(self, x: torch.Tensor, w: torch.Tensor) -> dict:
         """The fused Q/K/V projection as rope_kv_write's input: {"qkv": BF16 [T, N]}, or with
@@ -433,11 +438,9 @@ class FastModel(Model):
             q = _rope.rope_kv_write(**qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, labels=cache.labels,
                                     positions=positions, **ring, **rope)
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
-        if residual is not None:   # r += o @ Wo^T (under rank emulation the all-reduce it stands in
-            # for is counted on r, a tensor of the output's shape and dtype)
-            out = _linear.skinny_linear(o.view(T, nh * d), lw.wo, counter=self._linear_counter, residual=residual)
-        else:
-            out = self._proj(o.view(T, nh * d), lw.wo)
+        # (with residual, out is r += o @ Wo^T: under rank emulation the all-reduce it stands in for is
+        # counted on r, a tensor of the output's shape and dtype)
+        out = self._proj(o.view(T, nh * d), lw.wo, residual=residual)
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
     def _moe_norm_fusable(self) -> bool:
@@ -503,9 +506,7 @@ class FastModel(Model):
                 self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq))
                 h = h_mid
                 routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok,
-                                            counter=self._route_counter, pdl=self.moe_pdl,
-                                            weights_first=self.router_weights_first,
-                                            norm=(r, ssq, lw.ln2, eps, h, h16), **self.router_options)
+                                            norm=(r, ssq, lw.ln2, eps, h, h16), **self._router_kw())
             else:
                 a = self._attention_fast(lw, h, positions, c, tab)
                 h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention

@@ -196,7 +196,7 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     dtype: the same values) in its epilogue and writes each row's sum of squares of the stored res
     over each column block into ssq (FP32, block order = column order), from which a consumer
     normalises any slice (``router.route_topk(norm=)``: the pre-MoE add + RMSNorm without a launch of
-    its own). Returns res. ``ssq_blocks(N)`` gives ssq's width for the default tiling.
+    its own). Returns res. ``ssq_blocks(N, K, device)`` gives ssq's width for the default tiling.
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests', as is ``_resid_bug`` (the sums of squares taken over y instead of res + y)."""
