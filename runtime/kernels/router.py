@@ -130,9 +130,9 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         if NORM:
             xt = _norm_tile(res, offs_t, t_ok, kk, k_ok, ss, wt, OUT, stride_out, OUT16, stride_o16,
                             eps, eb == 0, H, HAS16)
-            KC: tl.constexpr = HS_POW2 // 128
-            x3 = tl.permute(tl.reshape(xt, [BLOCK_T, KC, 128]), [1, 0, 2])
-            r3 = tl.permute(tl.reshape(r, [BLOCK_E, KC, 128]), [1, 2, 0])
+            KC: tl.constexpr = HS_POW2 // BLOCK_K   # (the slice is whole BLOCK_K steps)
+            x3 = tl.permute(tl.reshape(xt, [BLOCK_T, KC, BLOCK_K]), [1, 0, 2])
+            r3 = tl.permute(tl.reshape(r, [BLOCK_E, KC, BLOCK_K]), [1, 2, 0])
             acc = tl.sum(tl.dot(x3, r3), 0)
         else:
             acc = tl.dot(_tile(X, offs_t, t_ok, stride_x, kk, k_ok), tl.trans(r))
