@@ -460,6 +460,9 @@ AB_VARIANTS = {
     "moe_down_x_a": lambda rnd: _moe_opts(rnd, down_weights_a=False),
     "moe_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False, down_weights_a=False),
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
+    # the wide Down waiting per expert group (down_ready) / for the whole Gate/Up grid
+    "moe_ready": lambda rnd: _moe_opts(rnd, down_ready=True),
+    "moe_grid_wait": lambda rnd: _moe_opts(rnd, down_ready=False),
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 5 / 8 column blocks
     # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB_WEIGHTS_A = 6)
     **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},

@@ -99,6 +99,8 @@ def main():
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
     opts = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.opts.split(",") if kv)}
+    if opts.get("down_ready"):   # persistent counters (left zero by every call), as the fast model passes
+        opts["ready_counters"] = torch.zeros(M.ready_size(8, 1 << 30), dtype=torch.int32, device=DEV)
     H, I, E, w = MOE["H"], MOE["I"], MOE["E"], args.w
     copy_bw = copy_bandwidth()[0]
     weights = moe_sets(args.sets)
