@@ -44,6 +44,44 @@ def time_call(fn) -> float:
     return e0.elapsed_time(e1) * 1e-3
 
 
+# --------------------------------------------------------------- shared-memory carveout (experiments)
+# Triton asks the driver for the largest shared-memory carveout (cuFuncSetCacheConfig PREFER_SHARED)
+# only for kernels that use more than 48 KiB; the others get the driver's default, which sizes the
+# SM's L1 / shared split to the kernel's own occupancy. An SM cannot change that split while blocks
+# run on it, so a programmatic dependent with another split cannot join an SM until it drains.
+_FUNCS: dict[str, set[int]] = {}   # kernel name -> CUfunction handles loaded since carveout_hook()
+CARVEOUT_ATTR = 9                  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+_LIBCUDA = []
+
+
+def carveout_hook() -> None:
+    """Record every Triton kernel loaded from now on (name -> CUfunction), for ``set_carveout``."""
+    import triton
+
+    def hook(module, function, name, metadata_group, hash):
+        _FUNCS.setdefault(name, set()).add(int(function))
+    triton.knobs.runtime.kernel_load_end_hook.add(hook)
+
+
+def set_carveout(percent: int, names=None) -> int:
+    """Preferred shared-memory carveout (percent of the maximum; -1: the driver's default) of every
+    recorded kernel whose name contains one of ``names`` (None: all). Returns how many functions."""
+    import ctypes
+
+    if not _LIBCUDA:
+        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+    n = 0
+    for name, fns in _FUNCS.items():
+        if names is None or any(m in name for m in names):
+            for f in fns:
+                rc = _LIBCUDA[0].cuFuncSetAttribute(ctypes.c_void_p(f), ctypes.c_int(CARVEOUT_ATTR),
+                                                    ctypes.c_int(percent))
+                if rc != 0:
+                    raise RuntimeError(f"cuFuncSetAttribute({name}, carveout {percent}) failed: CUresult {rc}")
+                n += 1
+    return n
+
+
 def capture_graph(calls):
     """One CUDA graph holding ``calls`` in order (each run once eagerly first, to compile and to warm
     the allocator, then on a side stream, as capture needs), replayed three times to warm it."""

@@ -58,7 +58,8 @@ import time
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import CUDA, DEV, DRY_RUN, copy_bandwidth, critical_path, time_call, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import (CUDA, DEV, DRY_RUN, carveout_hook, copy_bandwidth, critical_path, set_carveout,  # noqa: E402
+                    time_call, write_results)  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -460,6 +461,10 @@ AB_VARIANTS = {
     "moe_down_x_a": lambda rnd: _moe_opts(rnd, down_weights_a=False),
     "moe_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False, down_weights_a=False),
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
+    # preferred shared-memory carveouts (Triton sets the largest only above 48 KiB of shared memory):
+    # every kernel's / the Gate/Up's at the largest
+    "carve_all100": lambda rnd: _carve(rnd, (None, 100)),
+    "carve_gu100": lambda rnd: _carve(rnd, (["_moe_gate_up_kernel"], 100)),
     # the wide Down waiting per expert group (down_ready) / for the whole Gate/Up grid
     "moe_ready": lambda rnd: _moe_opts(rnd, down_ready=True),
     "moe_grid_wait": lambda rnd: _moe_opts(rnd, down_ready=False),
@@ -563,12 +568,26 @@ def synthetic_state(model: Model, L: int, budget: int, seed: int, gen: torch.Gen
 
 
 def step_fn(rnd: Round, st: DecodeState):
+    carve = getattr(rnd, "_carveout", None) if CUDA else None   # (the dry run: no driver to ask)
+
     def step():
+        if carve:   # (carve_* variants: the kernels' carveouts while this step runs or is captured)
+            for names, pct in carve:
+                set_carveout(pct, names)
         rnd.verify(st, W)
         rnd.draft_first(st, W)
         for k in range(2, DEPTHS + 1):
             rnd.draft_next(st, k)
+        if carve:
+            set_carveout(-1)
     return step
+
+
+def _carve(rnd: Round, *spec) -> None:
+    """rnd's step runs (and is captured) with these preferred shared-memory carveouts: (kernel-name
+    parts or None for every kernel, percent) pairs (_bench.set_carveout; a graph keeps the carveout
+    it was captured with: experiments/probe_carveout.py)."""
+    rnd._carveout = spec
 
 
 class ConsumingTensors:
@@ -890,6 +909,8 @@ def main() -> int:
                  f"ceil_{{part}}[+{{part}}...] with parts {', '.join(ABLATIONS)}")
     except ValueError as e:
         ap.error(f"--ab / --ab-base: {e}")
+    if CUDA and any(n.startswith("carve_") for n in args.ab + [args.ab_base or ""]):
+        carveout_hook()   # before any kernel is loaded: set_carveout reaches the kernels loaded after this
     args.reps_fast = args.reps_fast or (1 if DRY_RUN else 20)
     args.reps_ref = args.reps_ref or (1 if DRY_RUN else 5)
     args.warmup = (0 if DRY_RUN else 3) if args.warmup is None else args.warmup

@@ -32,7 +32,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import DEV, DRY_RUN, carveout_hook, copy_bandwidth, set_carveout, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 
@@ -96,8 +96,14 @@ def main():
     ap.add_argument("--sets", type=int, default=6, help="rotating weight sets = calls per graph")
     ap.add_argument("--opts", default="", help="fused_moe_fp8 keywords, e.g. gu_weights_a=False,down_nb=6 "
                     "(values read as Python literals)")
+    ap.add_argument("--carveout", default="", help="preferred shared-memory carveouts set before the capture, "
+                    "NAME=PERCENT,... (NAME: part of a kernel name, * for every kernel; -1: the driver's default), "
+                    "e.g. _moe_gate_up_kernel=100 (see probe_carveout.py)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
+    carve = [(k, int(v)) for k, v in (kv.split("=", 1) for kv in args.carveout.split(",") if kv)]
+    if carve and not DRY_RUN:
+        carveout_hook()
     opts = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.opts.split(",") if kv)}
     if opts.get("down_ready"):   # persistent counters (left zero by every call), as the fast model passes
         opts["ready_counters"] = torch.zeros(M.ready_size(8, 1 << 30), dtype=torch.int32, device=DEV)
@@ -110,6 +116,12 @@ def main():
     bufs = [torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV) for _ in data]
     mk = lambda rec: [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, b=b: M.fused_moe_fp8(   # noqa: E731
         x, ids, tw, *wt, o, _timeline=b if rec else None, **opts)) for (x, ids, tw, wt, o), b in zip(data, bufs)]
+    if carve and not DRY_RUN:   # every kernel loaded (eager calls), then the carveouts, then the captures
+        for c in mk(False) + mk(True):
+            c()
+        torch.cuda.synchronize()
+        for name, pct in carve:
+            print(f"carveout {pct} for {set_carveout(pct, None if name == '*' else [name])} functions ({name})")
     t_plain = graph_time(mk(False))[0]
     t_rec = graph_time(mk(not DRY_RUN))[0]   # the interpreter has no global timer
     nbytes = moe_bytes(w, args.distinct)
