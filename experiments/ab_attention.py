@@ -22,7 +22,8 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DRY_RUN, copy_bandwidth, paired_row, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import (DRY_RUN, carveout_hook, copy_bandwidth, paired_row, replay_paired, set_carveout,  # noqa: E402
+                    write_results)  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -149,8 +150,27 @@ CONFIGS = {
     "kv_first1": dict(kv_first=1),
     "kv_first2": dict(kv_first=2),
     "kv_first8": dict(kv_first=8),
+    # preferred shared-memory carveouts (_carve: (kernel-name part or None for all, percent)), set
+    # around each launch, so the graph captures them: Triton asks for the largest only above 48 KiB
+    # (the split), so the combine's blocks cannot join an SM that still runs a split
+    "carve_all100": dict(_carve=(None, 100)),
+    "carve_comb100": dict(_carve=("_attn_combine_kernel", 100)),
     **{p: None for p in PROBES},
 }
+
+
+def _launches(name, data):
+    """Config ``name``'s calls, one per input set (with its carveouts around each launch)."""
+    kw = dict(CONFIGS[name])
+    carve = kw.pop("_carve", None)
+
+    def call(q, k, v, s, sp, o):
+        if carve and not DRY_RUN:
+            set_carveout(carve[1], None if carve[0] is None else [carve[0]])
+        A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw)
+        if carve and not DRY_RUN:
+            set_carveout(-1)
+    return [(lambda d=d: call(*d)) for d in data]
 
 
 def main():
@@ -166,6 +186,8 @@ def main():
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    if not DRY_RUN and any(n.startswith("carve_") for n in names):
+        carveout_hook()   # before any kernel is loaded
     nh, nkv, d = (6, 1, 128) if not DRY_RUN else (6, 1, 64)
     copy_bw = copy_bandwidth()[0]
     l2 = 60 * 2**20
@@ -177,11 +199,7 @@ def main():
             sets = n_sets(2 * nkv * cap * d * 2, l2) if not DRY_RUN else 2
             data = attention_sets(sets, w, nh, nkv, d, cap, c_ - w, c_)
             nbytes = 2 * nkv * c_ * d * 2 + 2 * w * nh * d * 2 + nh * 4 + 4
-            calls = {n: probe_calls(n, data, c_, d) if n in PROBES else
-                     [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, kw=CONFIGS[n]: A._launch(
-                         q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw))
-                      for q, k, v, s, sp, o in data]
-                     for n in names}
+            calls = {n: probe_calls(n, data, c_, d) if n in PROBES else _launches(n, data) for n in names}
             shape = f"full{c_ // 1024}K_w{w}"
             times = replay_paired(calls, args.rounds, shape)
             if times is None:
