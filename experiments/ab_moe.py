@@ -53,11 +53,6 @@ CONFIGS = {
     "down_x_a": dict(down_weights_a=False),
     "x_a": dict(gu_weights_a=False, down_weights_a=False),
     "nb8": dict(down_nb=8),
-    # the wide Down waiting per expert group (down_ready: counters the Gate/Up publishes on) instead of
-    # for the whole Gate/Up grid; with 4 / 8 column blocks per Down program
-    "ready": dict(down_ready=True),
-    "ready_nb4": dict(down_ready=True, down_nb=4),
-    "ready_nb8": dict(down_ready=True, down_nb=8),
 }
 
 
@@ -66,8 +61,6 @@ def _calls(name, data):
     each set's plan (the plan's launches run once here, so the activations are real)."""
     down = name.startswith("down:")
     kw = CONFIGS[name.split(":", 1)[1] if down else name]
-    if kw.get("down_ready"):   # persistent counters (left zero by every call), as the fast model passes
-        kw = dict(kw, ready_counters=torch.zeros(M.ready_size(8, 1 << 30), dtype=torch.int32, device=DEV))
     if not down:
         return [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o: M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
                 for x, ids, tw, wt, o in data]

@@ -465,9 +465,6 @@ AB_VARIANTS = {
     # every kernel's / the Gate/Up's at the largest
     "carve_all100": lambda rnd: _carve(rnd, (None, 100)),
     "carve_gu100": lambda rnd: _carve(rnd, (["_moe_gate_up_kernel"], 100)),
-    # the wide Down waiting per expert group (down_ready) / for the whole Gate/Up grid
-    "moe_ready": lambda rnd: _moe_opts(rnd, down_ready=True),
-    "moe_grid_wait": lambda rnd: _moe_opts(rnd, down_ready=False),
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 5 / 8 column blocks
     # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB_WEIGHTS_A = 6)
     **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},

@@ -105,8 +105,6 @@ def main():
     if carve and not DRY_RUN:
         carveout_hook()
     opts = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.opts.split(",") if kv)}
-    if opts.get("down_ready"):   # persistent counters (left zero by every call), as the fast model passes
-        opts["ready_counters"] = torch.zeros(M.ready_size(8, 1 << 30), dtype=torch.int32, device=DEV)
     H, I, E, w = MOE["H"], MOE["I"], MOE["E"], args.w
     copy_bw = copy_bandwidth()[0]
     weights = moe_sets(args.sets)

@@ -113,7 +113,7 @@ def kernel_options(kernels: KernelsConfig) -> tuple[dict, dict]:
     checks = (("attention_options", kernels.attention_options,
                _keyword_options(_attn.decode_attention_full, _attn.decode_attention_ring, drop=("out",)),
                "decode_attention_full/_ring"),
-              ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan, drop=("norm", "ready_counters")),
+              ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan, drop=("norm",)),
                "fused_moe_fp8 (moe_plan)"))
     for what, given, allowed, fn in checks:
         unknown = sorted(k for k in given if k not in allowed)
@@ -242,9 +242,6 @@ class FastModel(Model):
         # bench_step.py --ab router_norm_apart measures the old way.
         self.fuse_router_norm = True
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
-        # the MoE's per-expert-group readiness counters (moe_plan's down_ready; zero, left zero by every call)
-        self._moe_ready_counter = torch.zeros(_moe.ready_size(MAX_DECODE_ROWS, 1 << 30),
-                                              dtype=torch.int32, device=self.device)
         self._log_cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
                               cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
         cfg, sh, dev = self.cfg, self.shard, self.device
@@ -466,7 +463,7 @@ class FastModel(Model):
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
                                _norm_bug=self.broken == "moe_norm_bug", norm_weight_first=self.norm_weight_first,
-                               ready_counters=self._moe_ready_counter, **self._moe_options)
+                               **self._moe_options)
         # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
         # the MoE output it stands in for is counted on a tensor of the same shape and dtype)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y

@@ -136,13 +136,6 @@ RED_BLOCK_H = 256   # 1024 until session 11: with PDL 256 measured MoE 67.5 -> 6
 # activations. The reduce is the Down's dependent in the same way (it waits before reading y).
 PDL = True          # session 11: MoE 70.7 -> 67.5 us (38 experts, H200), the reduce width 256 -> 65.1 us
 DOWN_PREFETCH = 0   # 2 / 4 / 8 tiles measured 65.3 / 68.1 / 70.2 us against 65.1 (the Down starts late anyway)
-# Per-group readiness (keyword down_ready; wide Down only): every Gate/Up program publishes its stored
-# activations with a release add on its expert group's counter, and each Down program waits (acquire
-# loads) only for its own group's Gate/Up programs instead of griddepcontrol.wait on the whole grid, so
-# the Down's weight stream starts in the Gate/Up's tail (where DRAM idles: session 23's timeline has
-# Gate/Up programs ending from 31 to 37 us and the Down passing its wait at 39). Counters: a persistent
-# buffer (``ready_counters``, ready_size(...) int32 zeros, left zero by every call) or one zeroed per call.
-DOWN_READY = False
 
 # v2 (``variant="v2"``): two launches. Gate/Up split along H (GU2_SPLIT_K programs per (group, 32
 # columns): 1,824 programs of 8 H blocks for 38 experts instead of 304 of 48; 3 resident per SM at
@@ -255,12 +248,10 @@ def _moe_gate_up_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
     WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
-    RDY=None, READY: tl.constexpr = False,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
-    a program with an expert group). ``READY`` (``down_ready``): once its activations and scales are
-    stored, the program publishes them with one release add on its group's counter ``RDY[g]``."""
+    a program with an expert group)."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
     prog = g * tl.num_programs(1) + nb
@@ -324,9 +315,6 @@ def _moe_gate_up_kernel(
         bits, scale = _silu_mul_e4m3(acc_g, acc_u, ok, 1)
         tl.store(ACT + pair[:, None] * stride_am + offs_n[None, :], bits, mask=ok)
         tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
-        if READY:   # every thread's stores precede (bar.sync) the one release add that publishes them
-            tl.debug_barrier()
-            tl.atomic_add(RDY + g, 1, sem="release", scope="gpu")
         if TIMELINE:
             tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
     _stamp(TL, prog, 3, TIMELINE)
@@ -373,20 +361,13 @@ def _moe_down_wide_kernel(
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
     F16: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
-    WEIGHTS_A: tl.constexpr = False, RDY=None, READY: tl.constexpr = False, N_GU: tl.constexpr = 1,
+    WEIGHTS_A: tl.constexpr = False,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
     NB weight tiles of BLOCK_N x I through a software-pipelined loop, so loads of the next column
     block are in flight while this one is multiplied. Same products as v1's Down (the MMA's internal
-    summation order may differ in the last bit). H200: Down 59.1 -> 37.2 us at NB=8, 3 stages.
-
-    ``READY`` (``down_ready``): instead of griddepcontrol.wait (the whole Gate/Up grid), the program
-    waits only for its own group's N_GU Gate/Up programs (acquire loads of ``RDY[g]`` until it holds
-    N_GU), so a group's Down streams while other groups' Gate/Up programs still run. No deadlock: a
-    programmatic dependent's programs are scheduled only after every Gate/Up program has started
-    (each releases it at its start), and without PDL the Gate/Up grid has finished. The group's last
-    Down program to finish (ticket on ``RDY[G + g]``, G = grid(0)) re-zeroes both counters."""
+    summation order may differ in the last bit). H200: Down 59.1 -> 37.2 us at NB=8, 3 stages."""
     g = tl.program_id(0)
     prog = TL_BASE + g * tl.num_programs(1) + tl.program_id(1)
     _stamp(TL, prog, 1, TIMELINE)
@@ -400,12 +381,8 @@ def _moe_down_wide_kernel(
                 rows = tl.minimum((tl.program_id(1) * NB + j) * BLOCK_N + tl.arange(0, BLOCK_N), H - 1)
                 for kl in tl.static_range((I + 127) // 128):
                     prefetch_l2(W2 + expert.to(tl.int64) * stride_we + rows * stride_wn + kl * 128)
-            if not NO_WAIT and not READY:   # (NO_WAIT: negative control of the tests)
+            if not NO_WAIT:   # (NO_WAIT: negative control of the tests)
                 gdc_wait()   # Gate/Up complete: its activations and scales are visible from here
-        if READY and not NO_WAIT:   # this group's Gate/Up programs done: its activations visible from here
-            n_in = tl.atomic_add(RDY + g, 0, sem="acquire", scope="gpu")
-            while n_in < N_GU:
-                n_in = tl.atomic_add(RDY + g, 0, sem="acquire", scope="gpu")
         _stamp(TL, prog, 2, TIMELINE)
         if TIMELINE:
             tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
@@ -458,12 +435,6 @@ def _moe_down_wide_kernel(
                     acc = acc * row_scale[:, None]
                 tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], acc,
                          mask=row_ok[:, None] & n_ok[None, :])
-        if READY:   # the group's last Down program re-arms its counters for the next call
-            tl.debug_barrier()
-            done = tl.atomic_add(RDY + tl.num_programs(0) + g, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(1) - 1:
-                tl.atomic_xchg(RDY + g, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(RDY + tl.num_programs(0) + g, 0, sem="relaxed", scope="gpu")
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -696,10 +667,9 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
-                    weights_a=False, maxnreg=None, ready=None):
+                    weights_a=False, maxnreg=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``weights_a``: the weights as the
-    MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics); ``ready``: the
-    per-group counters it publishes its activations on (``down_ready``)."""
+    MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
     _moe_gate_up_kernel[grid](
@@ -712,7 +682,6 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
         UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
-        RDY=act_scale if ready is None else ready, READY=ready is not None,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
         **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
@@ -735,10 +704,9 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
 
 def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
                       act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0,
-                      weights_a=False, ready=None):
+                      weights_a=False):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256); ``weights_a``: the weight
-    tile as the MMA's A operand (at most 8 pairs per expert); ``ready``: wait on the per-group
-    counters that the Gate/Up publishes on (``down_ready``) instead of on the whole Gate/Up grid."""
+    tile as the MMA's A operand (at most 8 pairs per expert)."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
     _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
@@ -750,8 +718,7 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
         F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
         NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
-        WEIGHTS_A=weights_a, RDY=y if ready is None else ready, READY=ready is not None,
-        N_GU=triton.cdiv(I, act_block), num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+        WEIGHTS_A=weights_a, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -827,11 +794,6 @@ def timeline_programs(w, H, I, E, topk=8, down_nb=None, red_block_h=None, down_w
             w * triton.cdiv(H, red_block_h or RED_BLOCK_H))
 
 
-def ready_size(w, E, topk=8):
-    """int32 entries of the v1 ``down_ready`` counter buffer (``ready_counters=``): two per group."""
-    return 2 * min(w * topk, E)
-
-
 def counters_size(w, H, I, E, topk=8):
     """int32 entries of the v2 counter buffer (``counters=``) for these shapes."""
     return min(w * topk, E) * triton.cdiv(I, GU2_BLOCK_N) + triton.cdiv(H, DOWN2_BLOCK_N)
@@ -842,8 +804,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
-             down_ready=None, ready_counters=None):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -893,14 +854,6 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         # reduce still waits correctly behind it)
         use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
         pf = DOWN_PREFETCH if down_prefetch is None else int(down_prefetch)
-        # down_ready: the wide Down waits per expert group (counters published by Gate/Up), not for
-        # the whole Gate/Up grid
-        rdy = None
-        if (DOWN_READY if down_ready is None else bool(down_ready)) and nb > 1:
-            n_rdy = ready_size(w, E, topk)
-            rdy = torch.zeros(n_rdy, device=dev, dtype=torch.int32) if ready_counters is None else ready_counters
-            check(rdy.dtype == torch.int32 and rdy.numel() >= n_rdy and rdy.is_contiguous() and rdy.device == dev,
-                  f"ready_counters: >= {n_rdy} contiguous int32 zeros on x's device")
         check(pf >= 0 and (red_block_h is None or red_block_h in (128, 256, 512, 1024, 2048)),
               "down_prefetch >= 0; red_block_h: a power of two in [128, 2048]")
         steps = [
@@ -909,14 +862,14 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
                                                 no_wait=_gu_no_wait, tl_buf=_timeline, weights_a=gwa,
-                                                maxnreg=gu_maxnreg, ready=rdy)),
+                                                maxnreg=gu_maxnreg)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait,
-                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa, ready=rdy))),
+                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
                                               norm_bug=_norm_bug, weight_first=norm_weight_first,
                                               tl_buf=_timeline, tl_base=n_gu + n_dn)),

@@ -62,9 +62,6 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait"),
              ("_router_kernel", "PDL", "griddepcontrol.wait"),
              ("_moe_gate_up_kernel", "WAIT", "griddepcontrol.wait"),
-             # down_ready: Gate/Up publishes per group (a release add), the Down polls (acquire loads)
-             ("_moe_gate_up_kernel", "READY", "atom.global.gpu.release"),
-             ("_moe_down_wide_kernel", "READY", "ld.global.gpu.acquire"),
              ("_attn_split_v2_kernel", "TMA", "cp.async.bulk.tensor"),
              ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait"),
              ("_rope_kv_kernel", "PDL", "griddepcontrol.wait"),
@@ -164,8 +161,6 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             for pf, rb in ((2, None), (0, 256)):                # programmatic dependent launches
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
                                 down_prefetch=pf, red_block_h=rb)
-            M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
-                            down_ready=True)                    # the Down waits per expert group
             for u, st in ((2, 3), (2, 4)):                      # two K steps per Gate/Up iteration
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_unroll=u,
                                 gu_num_stages=st)

@@ -200,22 +200,17 @@ def test_q1_shard_pdl(w, kind, prefetch, red_block_h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ready", [False, True])
-def test_pdl_without_the_wait_is_caught(ready):
+def test_pdl_without_the_wait_is_caught():
     """Negative control of the PDL tests: the wide Down, launched while Gate/Up runs, must wait for
     the activations; one that skips griddepcontrol.wait (``_pdl_no_wait``) reads the previous
     replay's. In a CUDA graph the launches are back to back (eagerly, the first call of a variant
     compiles it and the race never happens); "same" routing leaves most SMs free for early Down
-    programs. ``ready`` (``down_ready``): the wait is on the group's readiness counter, and skipping
-    that wait must be caught the same way."""
+    programs."""
     M = load_kernels("moe")
     w13, s13, w2, s2 = _q1_weights()
     worst = {}
-    cnt = torch.zeros(M.ready_size(8, Q1["E"]), dtype=torch.int32, device="cuda")
     for no_wait in (False, True):
-        g, x, ids, tw, out = _captured_moe(M, w=8, pdl=True, _pdl_no_wait=no_wait, down_ready=ready,
-                                           ready_counters=cnt)
-        cnt.zero_()   # (the no-wait control's Down may re-arm before its Gate/Up published)
+        g, x, ids, tw, out = _captured_moe(M, w=8, pdl=True, _pdl_no_wait=no_wait)
         worst[no_wait] = 0.0
         for seed, kind in ROUTINGS + ((5, "same"), (6, "same"), (7, "random")):
             new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
@@ -226,9 +221,6 @@ def test_pdl_without_the_wait_is_caught(ready):
             g.replay()
             emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
             worst[no_wait] = max(worst[no_wait], rel_err(out, emu))
-            if not no_wait:
-                assert int(cnt.abs().sum()) == 0   # every call leaves the counters re-armed
-            cnt.zero_()
         del g
     assert worst[False] < TOL_EMU and worst[True] > TOL_EMU, worst
 
@@ -298,60 +290,6 @@ def test_q1_shard_operand_orders(w, kind, opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("w,kind", [(4, "random"), (5, "shared"), (6, "shared"), (7, "random"), (8, "same")])
-def test_q1_shard_down_ready(w, kind):
-    """down_ready (the wide Down waits per expert group on counters the Gate/Up publishes, not for the
-    whole Gate/Up grid): the same bits as the grid-wide wait (the same products in the same order),
-    the persistent counters left zero, against the reference; negative control: the wrong scale block."""
-    M = load_kernels("moe")
-    w13, s13, w2, s2 = _q1_weights()
-    cnt = torch.zeros(M.ready_size(w, Q1["E"]), dtype=torch.int32, device="cuda")
-    kw = dict(pdl=True, down_ready=True, ready_counters=cnt)
-    errs = run_case(M, Q1, w, kind, seed=1300 + w, weights=_q1_weights(), **kw)
-    assert _ok(errs), errs
-    assert int(cnt.abs().sum()) == 0
-    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
-    ids, tw = make_routing(w, Q1["E"], kind, 1301 + w)
-    a = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, **kw)
-    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, pdl=True, down_ready=False)
-    assert torch.equal(a, b) and int(cnt.abs().sum()) == 0
-    assert _rejected(run_case(M, Q1, w, kind, seed=1300 + w, weights=_q1_weights(), _scale_bug=True, **kw))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-def test_down_ready_graph_replays(pdl):
-    """down_ready captured in a CUDA graph (persistent counters) and replayed with new routing and x:
-    the reference's output every replay, the counters zero after each."""
-    M = load_kernels("moe")
-    w13, s13, w2, s2 = _q1_weights()
-    cnt = torch.zeros(M.ready_size(6, Q1["E"]), dtype=torch.int32, device="cuda")
-    g, x, ids, tw, out = _captured_moe(M, pdl=pdl, down_ready=True, ready_counters=cnt)
-    for seed, kind in ROUTINGS + ((8, "random"), (9, "same")):
-        new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
-        ids.copy_(new_ids)
-        tw.copy_(new_tw)
-        x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
-        out.fill_(float("nan"))
-        g.replay()
-        emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
-        assert rel_err(out, emu) < TOL_EMU
-        assert int(cnt.abs().sum()) == 0
-
-
-def test_ready_counters_are_checked():
-    M = load_kernels("moe")
-    w13, s13, w2, s2 = (t.to("cpu") for t in make_weights(256, 128, 4, seed=1))
-    x = torch.randn(2, 256).to(torch.bfloat16)
-    ids, tw = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2, dtype=torch.int32), torch.rand(2, 8)
-    n = M.ready_size(2, 4)
-    M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, down_ready=True, ready_counters=torch.zeros(n, dtype=torch.int32))
-    for bad in (torch.zeros(n - 1, dtype=torch.int32), torch.zeros(n)):
-        with pytest.raises(ValueError, match="ready_counters"):
-            M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, down_ready=True, ready_counters=bad)
-
-
-@pytest.mark.gpu
 def test_wide_down_matches_v1_and_rejects_scale_bug():
     """Same products per output column as v1's Down; only the MMA's internal summation order may
     differ (the H200 showed differences in the last BF16 bit, not bit-identical output). Both with
@@ -400,9 +338,9 @@ def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16, w_a):
     assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
 
 
-def _timeline_case(M, no_wait=False, **opts):
+def _timeline_case(M, no_wait=False):
     """One q1-shard call with per-program records (``_timeline``) and one without: (records [n, 6]
-    on the CPU, program counts, the two outputs). ``opts``: more fused_moe_fp8 keywords."""
+    on the CPU, program counts, the two outputs)."""
     from runtime.kernels.attention import TIMELINE_FIELDS
 
     H, I, E = Q1["H"], Q1["I"], Q1["E"]
@@ -412,7 +350,7 @@ def _timeline_case(M, no_wait=False, **opts):
     ids, tw = make_routing(6, E, "shared", 32)
     counts = M.timeline_programs(6, H, I, E)
     rec = torch.zeros(sum(counts), TIMELINE_FIELDS, dtype=torch.int64, device=_dev())
-    kw = dict(pdl=True, _pdl_no_wait=no_wait, **opts)
+    kw = dict(pdl=True, _pdl_no_wait=no_wait)
     plain = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, **kw)
     out = torch.empty_like(plain)
     M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _timeline=rec, **kw)   # (compiled before the capture)
@@ -448,33 +386,6 @@ def test_timeline_records_the_launch_order():
     rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=True)
     dn = rec[n_gu:n_gu + n_dn]
     assert dn[dn[:, 4] == 1][:, 2].min() < rec[:n_gu, 3].max()
-
-
-def _group_order(rec, n_gu, n_dn, groups):
-    """Per expert group of a timeline: (its Down programs' 'waited' stamps, the end of its last Gate/Up
-    program), for the groups with a Down program."""
-    gu = rec[:n_gu].view(groups, -1, rec.shape[1])
-    dn = rec[n_gu:n_gu + n_dn].view(groups, -1, rec.shape[1])
-    return [(dn[g][:, 2], int(gu[g][:, 3].max())) for g in range(groups) if bool((dn[g][:, 4] == 1).any())]
-
-
-@pytest.mark.gpu
-def test_timeline_down_ready_waits_per_group():
-    """down_ready in the timeline: the same output with and without records, every Down program passes
-    its wait only after its own group's Gate/Up programs have ended (not necessarily every group's),
-    and the counters are left zero. Negative control: without the wait (_pdl_no_wait) some Down program
-    stamps 'waited' before its group's Gate/Up ends."""
-    M = load_kernels("moe")
-    groups = min(6 * 8, Q1["E"])
-    cnt = torch.zeros(M.ready_size(6, Q1["E"]), dtype=torch.int32, device="cuda")
-    rec, (n_gu, n_dn, n_red), out, plain = _timeline_case(M, down_ready=True, ready_counters=cnt)
-    assert torch.equal(out, plain) and int(cnt.abs().sum()) == 0
-    order = _group_order(rec, n_gu, n_dn, groups)
-    assert order and all(bool((waited >= gu_end).all()) for waited, gu_end in order)
-    assert rec[n_gu + n_dn:, 2].min() >= rec[n_gu:n_gu + n_dn, 3].max()   # the reduce after the whole Down
-    rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=True, down_ready=True, ready_counters=cnt.zero_())
-    order = _group_order(rec, n_gu, n_dn, groups)
-    assert any(bool((waited < gu_end).any()) for waited, gu_end in order)
 
 
 def test_timeline_buffer_is_checked():
@@ -550,27 +461,6 @@ def test_interp_operand_orders(opts, shape, w, kind):
 def test_interp_negative_control():
     M = load_kernels("moe")
     errs = run_case(M, MINI, 6, "shared", seed=5, _scale_bug=True)
-    assert _rejected(errs), errs
-
-
-@cpu_only
-@pytest.mark.parametrize("w,kind", [(6, "shared"), (4, "same")])
-def test_interp_down_ready(w, kind):
-    """down_ready on the interpreter (programs run one after another, so every wait is already met):
-    the same bits as the grid-wide wait, twice over one counter buffer that each call leaves zero;
-    the wrong scale block is still rejected."""
-    M = load_kernels("moe")
-    H, I, E = MINI["H"], MINI["I"], MINI["E"]
-    w13, s13, w2, s2 = make_weights(H, I, E, seed=3)
-    x = torch.randn(w, H).to(torch.bfloat16)
-    ids, tw = make_routing(w, E, kind, 5)
-    cnt = torch.zeros(M.ready_size(w, E), dtype=torch.int32)
-    base = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=2)
-    for _ in range(2):
-        assert torch.equal(M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=2, down_ready=True,
-                                           ready_counters=cnt), base)
-        assert int(cnt.abs().sum()) == 0
-    errs = run_case(M, MINI, w, kind, seed=5, _scale_bug=True, down_nb=2, down_ready=True)
     assert _rejected(errs), errs
 
 
