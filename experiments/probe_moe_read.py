@@ -10,6 +10,9 @@ load can be dropped), on the same rotating weight sets and routing as ``ab_moe.p
   rows_u{U}      the Gate/Up's grid and addresses: program (expert group, 32 columns) reads its 32 Gate
                  and 32 Up rows, U x 128 B of each row per loop iteration into registers (Triton does
                  not software-pipeline loads that feed no dot, so U sets the bytes in flight: U x 8 KiB)
+  tiled_u{U}     the Gate/Up's grid, each program reading one contiguous 64 x H-byte region of its expert
+                 (8 KiB per K step, U steps per iteration): what a weight layout with each program's
+                 tiles contiguous would read (the same bytes, other addresses; session 26)
   flat{KB}       one program per contiguous KB-KiB piece of each distinct expert's Gate/Up weights
                  (the same bytes as contiguous streams; many small programs in flight, like a copy)
 Prints the median time per call, the bytes (the distinct experts' Gate/Up weights) and the fraction of
@@ -64,6 +67,22 @@ def _flat_read_kernel(W13, IDS, OUT, stride_we, P, PIECES: tl.constexpr, WORDS: 
         tl.store(OUT + g * PIECES + piece, tl.xor_sum(v, 0))
 
 
+@triton.jit
+def _tiled_read_kernel(W13, IDS, OUT, stride_we, P, H: tl.constexpr, I: tl.constexpr, BLOCK_P: tl.constexpr,
+                       UNROLL: tl.constexpr):
+    g = tl.program_id(0)
+    nb = tl.program_id(1)
+    expert, n_groups, _pair, _ok = M._expert_group(IDS, g, P, BLOCK_P, 16)
+    if g < n_groups:
+        W = W13.to(tl.pointer_type(tl.int32)) + expert.to(tl.int64) * (stride_we // 4) + nb * (64 * H // 4)
+        offs = tl.arange(0, 2048)                     # 64 rows x 128 B = 8 KiB per K step, contiguous
+        acc = tl.zeros([2048], tl.int32)
+        for k00 in range(0, H // 128, UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc ^= tl.load(W + (k00 + u) * 2048 + offs)
+        tl.store(OUT + g * tl.num_programs(1) + nb, tl.xor_sum(acc, 0))
+
+
 def _calls(name, data, out):
     H, I = MOE["H"], MOE["I"]
     if name == "gate_up":
@@ -77,7 +96,11 @@ def _calls(name, data, out):
         P = ids.numel()
         ids32 = ids.to(torch.int32).contiguous()
         bp = max(16, triton.next_power_of_2(P))
-        if name.startswith("rows"):
+        if name.startswith("tiled"):
+            un = int(name[len("tiled_u"):])
+            res.append(lambda w13=w13, ids32=ids32, P=P, un=un, bp=bp: _tiled_read_kernel[(min(P, 128), I // 32)](
+                w13, ids32, out, w13.stride(0), P, H=H, I=I, BLOCK_P=bp, UNROLL=un, num_warps=4))
+        elif name.startswith("rows"):
             un = int(name[len("rows_u"):])
             res.append(lambda w13=w13, ids32=ids32, P=P, un=un, bp=bp: _rows_read_kernel[(min(P, 128), I // 32)](
                 w13, ids32, out, w13.stride(0), w13.stride(1), P, H=H, I=I, BLOCK_P=bp, BLOCK_N=32, UNROLL=un,
