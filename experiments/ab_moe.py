@@ -53,6 +53,12 @@ CONFIGS = {
     "down_x_a": dict(down_weights_a=False),
     "x_a": dict(gu_weights_a=False, down_weights_a=False),
     "nb8": dict(down_nb=8),
+    # the wide Down's group from the Gate/Up's group table (group_table) / ranked from the ids, and the
+    # table with 4 / 8 column blocks per Down program
+    "gt": dict(group_table=True),
+    "ranked": dict(group_table=False),
+    "gt_nb4": dict(group_table=True, down_nb=4),
+    "gt_nb8": dict(group_table=True, down_nb=8),
 }
 
 

@@ -461,6 +461,10 @@ AB_VARIANTS = {
     "moe_down_x_a": lambda rnd: _moe_opts(rnd, down_weights_a=False),
     "moe_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False, down_weights_a=False),
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
+    # the wide Down's expert group read from the Gate/Up's table / ranked from the ids (group_table)
+    "moe_group_table": lambda rnd: _moe_opts(rnd, group_table=True),
+    "moe_group_ranked": lambda rnd: _moe_opts(rnd, group_table=False),
+    **{f"moe_gt_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, group_table=True, down_nb=n)) for n in (4, 8)},
     # preferred shared-memory carveouts (Triton sets the largest only above 48 KiB of shared memory):
     # every kernel's / the Gate/Up's at the largest
     "carve_all100": lambda rnd: _carve(rnd, (None, 100)),

@@ -136,6 +136,15 @@ RED_BLOCK_H = 256   # 1024 until session 11: with PDL 256 measured MoE 67.5 -> 6
 # activations. The reduce is the Down's dependent in the same way (it waits before reading y).
 PDL = True          # session 11: MoE 70.7 -> 67.5 us (38 experts, H200), the reduce width 256 -> 65.1 us
 DOWN_PREFETCH = 0   # 2 / 4 / 8 tiles measured 65.3 / 68.1 / 70.2 us against 65.1 (the Down starts late anyway)
+# The wide Down takes its expert group from a table the Gate/Up writes (keyword group_table) instead of
+# ranking the ids itself (``_expert_group``, a P x P comparison): program (g, 0) of the Gate/Up stores
+# group g's expert (-1: no group) and member pairs (-1: none) in row g of a [groups, GT_COLS] int32
+# table; the Down reads its row after griddepcontrol.wait (the Gate/Up complete). Session 25-26's
+# timelines: a Down program spends ~3.5 us from entry to wait ranking the ids on an SM that still
+# streams Gate/Up weights, and the Down's last programs enter only as the Gate/Up ends, so that time
+# sits on the MoE's path.
+GROUP_TABLE = False
+GT_COLS = 32        # [0] expert, [16, 16 + GU / Down BLOCK_M) member pairs
 
 # v2 (``variant="v2"``): two launches. Gate/Up split along H (GU2_SPLIT_K programs per (group, 32
 # columns): 1,824 programs of 8 H blocks for 38 experts instead of 304 of 48; 3 resident per SM at
@@ -165,6 +174,7 @@ GU2_F16 = True
 DOWN2_F16 = True
 
 _FP8_MAX = tl.constexpr(448.0)
+_GT_COLS = tl.constexpr(GT_COLS)
 
 
 def _interpreting():
@@ -194,6 +204,26 @@ def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
     pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
     row_ok = tl.sum(hit.to(tl.int32), 1) > 0
     return expert, n_groups, pair, row_ok
+
+
+@triton.jit
+def _write_group_row(GT, g, expert, n_groups, pair, row_ok, BLOCK_M: tl.constexpr):
+    """Row g of the group table: [0] = the group's expert (-1 past the group count), [16 + r] = its
+    r-th member pair (-1 where none; all 16 slots written, whatever BLOCK_M)."""
+    offs = tl.arange(0, 16)
+    tl.store(GT + g * _GT_COLS + offs, tl.where(offs == 0, tl.where(g < n_groups, expert, -1), 0), mask=offs == 0)
+    tl.store(GT + g * _GT_COLS + 16 + offs, tl.full([16], -1, tl.int32), mask=offs >= BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    tl.store(GT + g * _GT_COLS + 16 + r, tl.where(row_ok, pair, -1))
+
+
+@triton.jit
+def _read_group_row(GT, g, BLOCK_M: tl.constexpr):
+    """(expert, number of groups as far as g is concerned, member pairs, mask) from row g of the group
+    table: the values ``_expert_group`` gives for g (n_groups: g + 1 if g has a group, else 0)."""
+    expert = tl.load(GT + g * _GT_COLS)
+    pr = tl.load(GT + g * _GT_COLS + 16 + tl.arange(0, BLOCK_M))
+    return expert, tl.where(expert >= 0, g + 1, 0), tl.maximum(pr, 0), pr >= 0
 
 
 @triton.jit
@@ -248,10 +278,12 @@ def _moe_gate_up_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
     WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
+    GT=None, GROUP_TABLE: tl.constexpr = False,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
-    a program with an expert group)."""
+    a program with an expert group). ``GROUP_TABLE``: program (g, 0) also writes group g's row of
+    ``GT`` (``_write_group_row``) for the wide Down."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
     prog = g * tl.num_programs(1) + nb
@@ -265,6 +297,9 @@ def _moe_gate_up_kernel(
     if PDL:
         gdc_launch_dependents()
     expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
+    if GROUP_TABLE:
+        if nb == 0:
+            _write_group_row(GT, g, expert, n_groups, pair, row_ok, BLOCK_M)
     op_ty = tl.float16 if F16 else tl.bfloat16
     if g < n_groups:
         tok = pair // TOPK
@@ -361,22 +396,29 @@ def _moe_down_wide_kernel(
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
     F16: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
-    WEIGHTS_A: tl.constexpr = False,
+    WEIGHTS_A: tl.constexpr = False, GT=None, GROUP_TABLE: tl.constexpr = False,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
     NB weight tiles of BLOCK_N x I through a software-pipelined loop, so loads of the next column
     block are in flight while this one is multiplied. Same products as v1's Down (the MMA's internal
-    summation order may differ in the last bit). H200: Down 59.1 -> 37.2 us at NB=8, 3 stages."""
+    summation order may differ in the last bit). H200: Down 59.1 -> 37.2 us at NB=8, 3 stages.
+
+    ``GROUP_TABLE``: the group comes from row g of ``GT`` (written by the Gate/Up), read after the
+    wait; every program waits (no L2 prefetch before it: the expert is not known yet)."""
     g = tl.program_id(0)
     prog = TL_BASE + g * tl.num_programs(1) + tl.program_id(1)
     _stamp(TL, prog, 1, TIMELINE)
     if PDL:
         gdc_launch_dependents()
-    # IDS and the weights were final before Gate/Up released this kernel: safe to read before the wait
-    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
+    if GROUP_TABLE:   # the Gate/Up's table: complete once the Gate/Up grid is
+        if PDL and not NO_WAIT:
+            gdc_wait()
+        expert, n_groups, pair, row_ok = _read_group_row(GT, g, BLOCK_M)
+    else:   # IDS and the weights were final before Gate/Up released this kernel: safe before the wait
+        expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
     if g < n_groups:
-        if PDL:
+        if PDL and not GROUP_TABLE:
             for j in tl.static_range(PREFETCH):
                 rows = tl.minimum((tl.program_id(1) * NB + j) * BLOCK_N + tl.arange(0, BLOCK_N), H - 1)
                 for kl in tl.static_range((I + 127) // 128):
@@ -667,9 +709,10 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
-                    weights_a=False, maxnreg=None):
+                    weights_a=False, maxnreg=None, table=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``weights_a``: the weights as the
-    MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics)."""
+    MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics); ``table``: the
+    group table it also writes (int32 [grid(0), GT_COLS]) for the wide Down."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
     _moe_gate_up_kernel[grid](
@@ -682,6 +725,7 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
         UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
+        GT=act_scale if table is None else table, GROUP_TABLE=table is not None,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
         **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
@@ -704,9 +748,10 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
 
 def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
                       act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0,
-                      weights_a=False):
+                      weights_a=False, table=None):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256); ``weights_a``: the weight
-    tile as the MMA's A operand (at most 8 pairs per expert)."""
+    tile as the MMA's A operand (at most 8 pairs per expert); ``table``: the Gate/Up's group table,
+    read instead of ranking the ids."""
     E, H, I = w2.shape
     check(I <= 256, "down_nb > 1 needs an expert width I <= 256")
     _moe_down_wide_kernel[(min(P, E), triton.cdiv(H, DOWN_BLOCK_N * nb))](
@@ -718,7 +763,8 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
         F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
         NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
-        WEIGHTS_A=weights_a, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+        WEIGHTS_A=weights_a, GT=y if table is None else table, GROUP_TABLE=table is not None,
+        num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -804,7 +850,8 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              counters=None, gu_maxnreg=None, down_nb=None, gu_f16=None, down_f16=None, gu_block_n=None,
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
-             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None):
+             _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
+             group_table=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -854,6 +901,11 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         # reduce still waits correctly behind it)
         use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
         pf = DOWN_PREFETCH if down_prefetch is None else int(down_prefetch)
+        # group_table: the wide Down reads its group from a table the Gate/Up writes (no prefetch then)
+        table = None
+        if (GROUP_TABLE if group_table is None else bool(group_table)) and nb > 1:
+            check(pf == 0, "group_table: no down_prefetch (the expert is known only after the wait)")
+            table = torch.empty((min(P, E), GT_COLS), device=dev, dtype=torch.int32)
         check(pf >= 0 and (red_block_h is None or red_block_h in (128, 256, 512, 1024, 2048)),
               "down_prefetch >= 0; red_block_h: a power of two in [128, 2048]")
         steps = [
@@ -862,14 +914,14 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
                                                 no_wait=_gu_no_wait, tl_buf=_timeline, weights_a=gwa,
-                                                maxnreg=gu_maxnreg)),
+                                                maxnreg=gu_maxnreg, table=table)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait,
-                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa))),
+                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa, table=table))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
                                               norm_bug=_norm_bug, weight_first=norm_weight_first,
                                               tl_buf=_timeline, tl_base=n_gu + n_dn)),

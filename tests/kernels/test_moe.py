@@ -169,12 +169,13 @@ ROUTINGS = ((2, "random"), (3, "same"), (4, "shared"))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-def test_graph_capture_replays_with_new_routing(pdl):
-    """pdl: the Down and the reduce are captured as programmatic dependents."""
+@pytest.mark.parametrize("pdl,table", [(False, False), (True, False), (False, True), (True, True)])
+def test_graph_capture_replays_with_new_routing(pdl, table):
+    """pdl: the Down and the reduce are captured as programmatic dependents; table: the Down reads
+    its group from the Gate/Up's group table (group_table)."""
     M = load_kernels("moe")
     w13, s13, w2, s2 = _q1_weights()
-    g, x, ids, tw, out = _captured_moe(M, pdl=pdl)
+    g, x, ids, tw, out = _captured_moe(M, pdl=pdl, group_table=table)
     for seed, kind in ROUTINGS:
         new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
         ids.copy_(new_ids)
@@ -200,17 +201,18 @@ def test_q1_shard_pdl(w, kind, prefetch, red_block_h):
 
 
 @pytest.mark.gpu
-def test_pdl_without_the_wait_is_caught():
+@pytest.mark.parametrize("table", [False, True])
+def test_pdl_without_the_wait_is_caught(table):
     """Negative control of the PDL tests: the wide Down, launched while Gate/Up runs, must wait for
     the activations; one that skips griddepcontrol.wait (``_pdl_no_wait``) reads the previous
     replay's. In a CUDA graph the launches are back to back (eagerly, the first call of a variant
     compiles it and the race never happens); "same" routing leaves most SMs free for early Down
-    programs."""
+    programs. ``table`` (group_table): the Down's wait also guards the Gate/Up's group table."""
     M = load_kernels("moe")
     w13, s13, w2, s2 = _q1_weights()
     worst = {}
     for no_wait in (False, True):
-        g, x, ids, tw, out = _captured_moe(M, w=8, pdl=True, _pdl_no_wait=no_wait)
+        g, x, ids, tw, out = _captured_moe(M, w=8, pdl=True, _pdl_no_wait=no_wait, group_table=table)
         worst[no_wait] = 0.0
         for seed, kind in ROUTINGS + ((5, "same"), (6, "same"), (7, "random")):
             new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
@@ -290,6 +292,36 @@ def test_q1_shard_operand_orders(w, kind, opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dwa", [True, False])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (5, "shared"), (6, "shared"), (7, "random"), (8, "same")])
+def test_q1_shard_group_table(w, kind, dwa):
+    """group_table (the wide Down reads its expert group from the table the Gate/Up writes instead of
+    ranking the ids): the same bits as ranking them, both Down operand orders, against the reference;
+    negative control: the wrong scale block."""
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = _q1_weights()
+    kw = dict(pdl=True, group_table=True, down_weights_a=dwa)
+    errs = run_case(M, Q1, w, kind, seed=1400 + w, weights=_q1_weights(), **kw)
+    assert _ok(errs), errs
+    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
+    ids, tw = make_routing(w, Q1["E"], kind, 1401 + w)
+    a = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, **kw)
+    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, pdl=True, group_table=False, down_weights_a=dwa)
+    assert torch.equal(a, b)
+    assert _rejected(run_case(M, Q1, w, kind, seed=1400 + w, weights=_q1_weights(), _scale_bug=True, **kw))
+
+
+def test_group_table_options_are_checked():
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = (t.to("cpu") for t in make_weights(256, 128, 4, seed=1))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    ids, tw = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2, dtype=torch.int32), torch.rand(2, 8)
+    M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, group_table=True)
+    with pytest.raises(ValueError, match="group_table"):
+        M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, group_table=True, down_prefetch=2, pdl=True)
+
+
+@pytest.mark.gpu
 def test_wide_down_matches_v1_and_rejects_scale_bug():
     """Same products per output column as v1's Down; only the MMA's internal summation order may
     differ (the H200 showed differences in the last BF16 bit, not bit-identical output). Both with
@@ -338,9 +370,9 @@ def test_q1_down_against_its_exact_products(w, kind, nb, stages, f16, w_a):
     assert down_case(M, Q1, w, kind, seed=41 + w, weights=_q1_weights(), scale_bug=True, **kw) > TOL_EMU
 
 
-def _timeline_case(M, no_wait=False):
+def _timeline_case(M, no_wait=False, **opts):
     """One q1-shard call with per-program records (``_timeline``) and one without: (records [n, 6]
-    on the CPU, program counts, the two outputs)."""
+    on the CPU, program counts, the two outputs). ``opts``: more fused_moe_fp8 keywords."""
     from runtime.kernels.attention import TIMELINE_FIELDS
 
     H, I, E = Q1["H"], Q1["I"], Q1["E"]
@@ -350,7 +382,7 @@ def _timeline_case(M, no_wait=False):
     ids, tw = make_routing(6, E, "shared", 32)
     counts = M.timeline_programs(6, H, I, E)
     rec = torch.zeros(sum(counts), TIMELINE_FIELDS, dtype=torch.int64, device=_dev())
-    kw = dict(pdl=True, _pdl_no_wait=no_wait)
+    kw = dict(pdl=True, _pdl_no_wait=no_wait, **opts)
     plain = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, **kw)
     out = torch.empty_like(plain)
     M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _timeline=rec, **kw)   # (compiled before the capture)
@@ -364,14 +396,15 @@ def _timeline_case(M, no_wait=False):
 
 
 @pytest.mark.gpu
-def test_timeline_records_the_launch_order():
+@pytest.mark.parametrize("table", [False, True])
+def test_timeline_records_the_launch_order(table):
     """The MoE's diagnostic timeline (experiments/timeline_moe.py): the same output with and without
     records; every program stamped in order (entry <= wait <= end); the wide Down's programs pass their
     wait only after every Gate/Up program has ended, the reduce's after every Down program. Negative
     control: the Down launched early without its wait (_pdl_no_wait) stamps 'waited' before the last
     Gate/Up program ends."""
     M = load_kernels("moe")
-    rec, (n_gu, n_dn, n_red), out, plain = _timeline_case(M)
+    rec, (n_gu, n_dn, n_red), out, plain = _timeline_case(M, group_table=table)
     assert torch.equal(out, plain)
     assert (rec[:, 1] > 0).all() and (rec[:, 3] >= rec[:, 1]).all()
     gu, dn, red = rec[:n_gu], rec[n_gu:n_gu + n_dn], rec[n_gu + n_dn:]
@@ -383,7 +416,7 @@ def test_timeline_records_the_launch_order():
     assert int((gu[:, 4] == 1).sum()) % (Q1["I"] // M.GU_BLOCK_N) == 0 and dn_act.shape[0] > 0
     assert dn_act[:, 2].min() >= gu[:, 3].max()
     assert red[:, 2].min() >= dn[:, 3].max()
-    rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=True)
+    rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=True, group_table=table)
     dn = rec[n_gu:n_gu + n_dn]
     assert dn[dn[:, 4] == 1][:, 2].min() < rec[:n_gu, 3].max()
 
@@ -462,6 +495,22 @@ def test_interp_negative_control():
     M = load_kernels("moe")
     errs = run_case(M, MINI, 6, "shared", seed=5, _scale_bug=True)
     assert _rejected(errs), errs
+
+
+@cpu_only
+@pytest.mark.parametrize("w,kind,dwa", [(6, "shared", True), (4, "same", False), (8, "random", True)])
+def test_interp_group_table(w, kind, dwa):
+    """group_table on the interpreter: the same bits as the Down ranking the ids itself; the wrong
+    scale block still rejected."""
+    M = load_kernels("moe")
+    H, I, E = MINI["H"], MINI["I"], MINI["E"]
+    w13, s13, w2, s2 = make_weights(H, I, E, seed=3)
+    x = torch.randn(w, H).to(torch.bfloat16)
+    ids, tw = make_routing(w, E, kind, 5)
+    base = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=2, down_weights_a=dwa)
+    assert torch.equal(M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, down_nb=2, down_weights_a=dwa,
+                                       group_table=True), base)
+    assert _rejected(run_case(M, MINI, w, kind, seed=5, _scale_bug=True, down_nb=2, group_table=True))
 
 
 # ------------------------------------------------------------------------------ v2 (all checks)
