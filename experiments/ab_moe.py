@@ -59,6 +59,10 @@ CONFIGS = {
     "ranked": dict(group_table=False),
     "gt_nb4": dict(group_table=True, down_nb=4),
     "gt_nb8": dict(group_table=True, down_nb=8),
+    # the groups ranked through the experts' bitmap (group_bits) / by P x P comparisons
+    "bits": dict(group_bits=True),
+    "no_bits": dict(group_bits=False),
+    "bits_ranked": dict(group_bits=True, group_table=False),
 }
 
 

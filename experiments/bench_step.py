@@ -465,6 +465,9 @@ AB_VARIANTS = {
     "moe_group_table": lambda rnd: _moe_opts(rnd, group_table=True),
     "moe_group_ranked": lambda rnd: _moe_opts(rnd, group_table=False),
     **{f"moe_gt_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, group_table=True, down_nb=n)) for n in (4, 8)},
+    # the groups ranked through the experts' bitmap / by P x P comparisons (group_bits)
+    "moe_group_bits": lambda rnd: _moe_opts(rnd, group_bits=True),
+    "moe_group_cmp": lambda rnd: _moe_opts(rnd, group_bits=False),
     # preferred shared-memory carveouts (Triton sets the largest only above 48 KiB of shared memory):
     # every kernel's / the Gate/Up's at the largest
     "carve_all100": lambda rnd: _carve(rnd, (None, 100)),

@@ -58,6 +58,9 @@ def phases(rec, n_gu, n_dn, prev_end):
         "gu_end_first": _q(gua[:, 2], 0), "gu_end_med": _q(gua[:, 2], 0.5),
         "gu_end_p90": _q(gua[:, 2], 0.9), "gu_end_last": _q(gua[:, 2], 1),
         "gu_busy_med": _q(gua[:, 2] - gua[:, 1], 0.5), "gu_busy_max": _q(gua[:, 2] - gua[:, 1], 1),
+        # from the wait's return to the expert group known (field 5, stamped after _expert_group)
+        "gu_group_med": _q((rec[:n_gu, 5] - rec[:n_gu, 2]).double()[gu_act] * 1e-3, 0.5),
+        "gu_group_max": _q((rec[:n_gu, 5] - rec[:n_gu, 2]).double()[gu_act] * 1e-3, 1),
         "dn_entry_first": _q(dn[:, 0], 0), "dn_entry_med": _q(dn[:, 0], 0.5),
         "dn_wait_last": _q(dn[:, 1], 1), "dn_end_med": _q(dn[:, 2], 0.5), "dn_end_last": _q(dn[:, 2], 1),
         "dn_busy_med": _q(dn[:, 2] - dn[:, 1], 0.5),
@@ -85,7 +88,8 @@ def _print_per_sm(per_sm, prog_bytes, n_calls):
 
 
 KEYS = ["gu_entry_first", "gu_wait_last", "gu_end_first", "gu_end_med", "gu_end_p90", "gu_end_last",
-        "gu_busy_med", "gu_busy_max", "dn_entry_first", "dn_wait_last", "dn_end_med", "dn_end_last",
+        "gu_busy_med", "gu_busy_max", "gu_group_med", "gu_group_max", "dn_entry_first", "dn_wait_last",
+        "dn_end_med", "dn_end_last",
         "dn_busy_med", "red_wait_last", "red_end_last"]
 
 

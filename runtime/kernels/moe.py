@@ -58,7 +58,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
-from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp
+from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp, _stamp_after
 from . import norm as _norm
 from .norm import load_weight, rms_scale
 
@@ -142,9 +142,18 @@ DOWN_PREFETCH = 0   # 2 / 4 / 8 tiles measured 65.3 / 68.1 / 70.2 us against 65.
 # table; the Down reads its row after griddepcontrol.wait (the Gate/Up complete). Session 25-26's
 # timelines: a Down program spends ~3.5 us from entry to wait ranking the ids on an SM that still
 # streams Gate/Up weights, and the Down's last programs enter only as the Gate/Up ends, so that time
-# sits on the MoE's path.
-GROUP_TABLE = False
+# sits on the MoE's path. Session 26 (H200, call 6): the q1 step 0.9925 / 0.9932 of the ranking
+# Down's time at 8K / 64K (bench_step.py --ab moe_group_table); the MoE alone 0.993 / 0.975 at 38 / 48
+# experts; the Down's waits return 1.0-1.3 us after the last Gate/Up end (ranking: 0.5-3.7 us); the
+# Down needs 70 registers instead of 148. Same products, same bits.
+GROUP_TABLE = True
 GT_COLS = 32        # [0] expert, [16, 16 + GU / Down BLOCK_M) member pairs
+# Expert groups ranked through a bitmap of the experts present (keyword group_bits; up to
+# GROUP_BITS_MAX_E experts: E / 32 OR-reductions of P values and popcounts) instead of P x P
+# comparisons (``_expert_group_bits``; the same groups). Every Gate/Up program ranks before it can
+# address its first weight tile.
+GROUP_BITS = False
+GROUP_BITS_MAX_E = 256
 
 # v2 (``variant="v2"``): two launches. Gate/Up split along H (GU2_SPLIT_K programs per (group, 32
 # columns): 1,824 programs of 8 H blocks for 38 experts instead of 304 of 48; 3 resident per SM at
@@ -182,8 +191,11 @@ def _interpreting():
 
 
 @triton.jit
-def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Group g of the (row, expert) pairs: (expert, number of groups, member pairs [BLOCK_M], mask)."""
+def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, E_WORDS: tl.constexpr = 0):
+    """Group g of the (row, expert) pairs: (expert, number of groups, member pairs [BLOCK_M], mask).
+    ``E_WORDS`` > 0 (``group_bits``, experts < 32 * E_WORDS): ``_expert_group_bits``, the same values."""
+    if E_WORDS > 0:
+        return _expert_group_bits(IDS, g, P, BLOCK_P, BLOCK_M, E_WORDS)
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < P
     e_p = tl.load(IDS + offs_p, mask=p_ok, other=-1)
@@ -201,6 +213,48 @@ def _expert_group(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
     member = p_ok & (e_p == expert)
     offs_r = tl.arange(0, BLOCK_M)
     hit = member[None, :] & (rank[None, :] == offs_r[:, None])
+    pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
+    row_ok = tl.sum(hit.to(tl.int32), 1) > 0
+    return expert, n_groups, pair, row_ok
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _popc(x):
+    """Set bits of each uint32 (SWAR: no inline assembly, so the interpreter runs it too)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _expert_group_bits(IDS, g, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, E_WORDS: tl.constexpr):
+    """``_expert_group`` through a bitmap of the experts present (E_WORDS 32-bit words, OR-reduced over
+    the pairs) instead of P x P comparisons: a pair's group is the number of present experts below its
+    own (popcounts), group g's expert the one whose count is g, its members ranked by a prefix sum over
+    p. The same expert, group count, members and order."""
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = offs_p < P
+    e_p = tl.load(IDS + offs_p, mask=p_ok, other=0)
+    word = e_p >> 5
+    bit = tl.full([BLOCK_P], 1, tl.uint32) << (e_p & 31).to(tl.uint32)
+    below = tl.zeros([BLOCK_P], tl.int32)       # present experts smaller than e_p
+    n_groups = 0
+    for k in tl.static_range(E_WORDS):
+        wk = tl.reduce(tl.where(p_ok & (word == k), bit, 0), 0, _or)
+        nk = _popc(wk)
+        n_groups += nk
+        below += tl.where(word > k, nk, 0) + tl.where(word == k, _popc(wk & (bit - 1)), 0)
+    expert = tl.maximum(tl.max(tl.where(p_ok & (below == g), e_p, -1), 0), 0)
+    member = (p_ok & (e_p == expert)).to(tl.int32)
+    rank = tl.cumsum(member, 0) - member       # earlier members (p order)
+    offs_r = tl.arange(0, BLOCK_M)
+    hit = (member[None, :] == 1) & (rank[None, :] == offs_r[:, None])
     pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
     row_ok = tl.sum(hit.to(tl.int32), 1) > 0
     return expert, n_groups, pair, row_ok
@@ -278,11 +332,11 @@ def _moe_gate_up_kernel(
     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
     WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
-    GT=None, GROUP_TABLE: tl.constexpr = False,
+    GT=None, GROUP_TABLE: tl.constexpr = False, E_WORDS: tl.constexpr = 0,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
-    a program with an expert group). ``GROUP_TABLE``: program (g, 0) also writes group g's row of
+    a program with an expert group; field 5: its group known). ``GROUP_TABLE``: program (g, 0) also writes group g's row of
     ``GT`` (``_write_group_row``) for the wide Down."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
@@ -296,10 +350,8 @@ def _moe_gate_up_kernel(
     # the wait above; released earlier, it read stale ids: the H200 showed illegal addresses).
     if PDL:
         gdc_launch_dependents()
-    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
-    if GROUP_TABLE:
-        if nb == 0:
-            _write_group_row(GT, g, expert, n_groups, pair, row_ok, BLOCK_M)
+    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M, E_WORDS)
+    _stamp_after(TL, prog, 5, expert.to(tl.float32), TIMELINE)   # (field 5: the group is known)
     op_ty = tl.float16 if F16 else tl.bfloat16
     if g < n_groups:
         tok = pair // TOPK
@@ -352,6 +404,9 @@ def _moe_gate_up_kernel(
         tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
         if TIMELINE:
             tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
+    if GROUP_TABLE:   # (at the end: nothing more to keep live through the loop)
+        if nb == 0:
+            _write_group_row(GT, g, expert, n_groups, pair, row_ok, BLOCK_M)
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -396,7 +451,7 @@ def _moe_down_wide_kernel(
     ACT_BLOCK: tl.constexpr, NB: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_BUG: tl.constexpr,
     F16: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     NO_WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
-    WEIGHTS_A: tl.constexpr = False, GT=None, GROUP_TABLE: tl.constexpr = False,
+    WEIGHTS_A: tl.constexpr = False, GT=None, GROUP_TABLE: tl.constexpr = False, E_WORDS: tl.constexpr = 0,
 ):
     """v1 Down with NB column blocks per program (``down_nb``): the group and its dequantised
     activations (I <= 256: one or two 128-wide K halves) are set up once, then the program streams
@@ -416,7 +471,7 @@ def _moe_down_wide_kernel(
             gdc_wait()
         expert, n_groups, pair, row_ok = _read_group_row(GT, g, BLOCK_M)
     else:   # IDS and the weights were final before Gate/Up released this kernel: safe before the wait
-        expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M)
+        expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M, E_WORDS)
     if g < n_groups:
         if PDL and not GROUP_TABLE:
             for j in tl.static_range(PREFETCH):
@@ -691,6 +746,29 @@ def _moe_down_v2_kernel(
         tl.store(CNT + nb, 0)
 
 
+@triton.jit
+def _groups_kernel(IDS, OUT, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, E_WORDS: tl.constexpr):
+    g = tl.program_id(0)
+    expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M, E_WORDS)
+    offs = tl.arange(0, 2)
+    tl.store(OUT + g * (2 + BLOCK_M) + offs, tl.where(offs == 0, expert, n_groups))
+    tl.store(OUT + g * (2 + BLOCK_M) + 2 + tl.arange(0, BLOCK_M), tl.where(row_ok, pair, -1))
+
+
+def expert_groups(topk_ids, E, *, bits, block_m=16, _short=False):
+    """What every MoE program derives from the ids, for each group g < min(P, E): int32 rows
+    [expert, number of groups, member pairs (-1: none) x block_m], ranked by P x P comparisons
+    (``bits=False``) or through the experts' bitmap (``bits=True``, E <= GROUP_BITS_MAX_E). Tests;
+    ``_short``: their negative control (the bitmap one word short)."""
+    ids = topk_ids.to(torch.int32).contiguous()
+    P = ids.numel()
+    check(P <= 64 and (not bits or E <= GROUP_BITS_MAX_E), "at most 64 pairs; bits: E <= GROUP_BITS_MAX_E")
+    out = torch.empty((min(P, E), 2 + block_m), dtype=torch.int32, device=ids.device)
+    _groups_kernel[(min(P, E),)](ids, out, P, BLOCK_P=max(16, next_pow2(P)), BLOCK_M=block_m,
+                                 E_WORDS=triton.cdiv(E, 32) - int(_short) if bits else 0)
+    return out
+
+
 def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
     check(x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16), "x [w, H] bf16 (or fp16)")
     w, H = x.shape
@@ -709,7 +787,7 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
-                    weights_a=False, maxnreg=None, table=None):
+                    weights_a=False, maxnreg=None, table=None, e_words=0):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``weights_a``: the weights as the
     MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics); ``table``: the
     group table it also writes (int32 [grid(0), GT_COLS]) for the wide Down."""
@@ -725,7 +803,7 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         # (the default unroll was measured at the default width; at 64 columns two steps spill)
         UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
-        GT=act_scale if table is None else table, GROUP_TABLE=table is not None,
+        GT=act_scale if table is None else table, GROUP_TABLE=table is not None, E_WORDS=e_words,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
         **({"launch_pdl": True} if wait else {}),
         **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
@@ -748,7 +826,7 @@ def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bu
 
 def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None, scale_bug=False, f16=None,
                       act_block=GU_BLOCK_N, pdl=False, prefetch=0, no_wait=False, tl_buf=None, tl_base=0,
-                      weights_a=False, table=None):
+                      weights_a=False, table=None, e_words=0):
     """v1 Down with ``nb`` column blocks per program (one launch; I <= 256); ``weights_a``: the weight
     tile as the MMA's A operand (at most 8 pairs per expert); ``table``: the Gate/Up's group table,
     read instead of ranking the ids."""
@@ -764,7 +842,7 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
         NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
         WEIGHTS_A=weights_a, GT=y if table is None else table, GROUP_TABLE=table is not None,
-        num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+        E_WORDS=e_words, num_warps=DOWN_NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -851,7 +929,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
              _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
-             group_table=None):
+             group_table=None, group_bits=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -902,9 +980,13 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
         pf = DOWN_PREFETCH if down_prefetch is None else int(down_prefetch)
         # group_table: the wide Down reads its group from a table the Gate/Up writes (no prefetch then)
+        # group_bits: the groups ranked through a bitmap of the experts (E <= GROUP_BITS_MAX_E)
+        ew = (triton.cdiv(E, 32) if (GROUP_BITS if group_bits is None else bool(group_bits))
+              and E <= GROUP_BITS_MAX_E else 0)
+        # (by default only without down_prefetch, which needs the expert before the wait)
+        check(not (group_table and pf), "group_table: no down_prefetch (the expert is known only after the wait)")
         table = None
-        if (GROUP_TABLE if group_table is None else bool(group_table)) and nb > 1:
-            check(pf == 0, "group_table: no down_prefetch (the expert is known only after the wait)")
+        if (GROUP_TABLE and not pf if group_table is None else bool(group_table)) and nb > 1:
             table = torch.empty((min(P, E), GT_COLS), device=dev, dtype=torch.int32)
         check(pf >= 0 and (red_block_h is None or red_block_h in (128, 256, 512, 1024, 2048)),
               "down_prefetch >= 0; red_block_h: a power of two in [128, 2048]")
@@ -914,14 +996,15 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
                                                 no_wait=_gu_no_wait, tl_buf=_timeline, weights_a=gwa,
-                                                maxnreg=gu_maxnreg, table=table)),
+                                                maxnreg=gu_maxnreg, table=table, e_words=ew)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
              (lambda: _launch_down_wide(act, act_scale, ids, w2, s2, y, P, nb=nb,
                                         num_stages=down_num_stages, scale_bug=_scale_bug, f16=down_f16,
                                         act_block=bn, pdl=use_pdl, prefetch=pf, no_wait=_pdl_no_wait,
-                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa, table=table))),
+                                        tl_buf=_timeline, tl_base=n_gu, weights_a=dwa, table=table,
+                                        e_words=ew))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
                                               norm_bug=_norm_bug, weight_first=norm_weight_first,
                                               tl_buf=_timeline, tl_base=n_gu + n_dn)),

@@ -164,6 +164,9 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
             for dwa in (True, False):                           # the Down's group from the Gate/Up's table
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
                                 group_table=True, down_weights_a=dwa)
+            for gt in (True, False):                            # groups ranked through the experts' bitmap
+                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
+                                group_table=gt, group_bits=True)
             for u, st in ((2, 3), (2, 4)):                      # two K steps per Gate/Up iteration
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_unroll=u,
                                 gu_num_stages=st)

@@ -321,6 +321,53 @@ def test_group_table_options_are_checked():
         M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, group_table=True, down_prefetch=2, pdl=True)
 
 
+def _group_routings(E, seed):
+    """Routings of 1-8 rows over E experts: random, sharing some experts, all the same 8."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for w in (1, 3, 6, 8):
+        out.append(torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(w)]))
+        base = torch.randperm(E, generator=g)[:min(E, 10)]
+        out.append(torch.stack([base[torch.randperm(len(base), generator=g)[:8]] for _ in range(w)]))
+        base = torch.randperm(E, generator=g)[:8]
+        out.append(torch.stack([base[torch.randperm(8, generator=g)] for _ in range(w)]))
+    return out
+
+
+@pytest.mark.parametrize("E", [16, 32, 128, 200, 256])
+def test_group_bits_rank_like_the_comparisons(E):
+    """The experts' bitmap (group_bits) gives every group's expert, group count and members in the same
+    order as the P x P comparisons, for 1-8 rows of random, shared and identical routings (GPU, or the
+    interpreter on the CPU). Negative control: a bitmap one word short (experts >= 32 (words - 1)
+    missing) must differ."""
+    M = load_kernels("moe")
+    for ids in _group_routings(E, seed=E):
+        ids = ids.to(_dev())
+        assert torch.equal(M.expert_groups(ids, E, bits=True), M.expert_groups(ids, E, bits=False)), ids
+    if E > 32:
+        ids = torch.tensor([[E - 1 - k for k in range(8)]], device=_dev())
+        assert not torch.equal(M.expert_groups(ids, E, bits=True, _short=True), M.expert_groups(ids, E, bits=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", [True, False])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
+def test_q1_shard_group_bits(w, kind, table):
+    """group_bits in the Gate/Up (and the Down where it ranks, table=False): the same bits as the
+    comparisons; negative control: the wrong scale block."""
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = _q1_weights()
+    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
+    ids, tw = make_routing(w, Q1["E"], kind, 1500 + w)
+    kw = dict(pdl=True, group_table=table)
+    a = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, group_bits=True, **kw)
+    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, group_bits=False, **kw)
+    assert torch.equal(a, b)
+    assert _ok(run_case(M, Q1, w, kind, seed=1500 + w, weights=_q1_weights(), group_bits=True, **kw))
+    assert _rejected(run_case(M, Q1, w, kind, seed=1500 + w, weights=_q1_weights(), group_bits=True,
+                              _scale_bug=True, **kw))
+
+
 @pytest.mark.gpu
 def test_wide_down_matches_v1_and_rejects_scale_bug():
     """Same products per output column as v1's Down; only the MMA's internal summation order may
