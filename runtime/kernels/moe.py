@@ -352,6 +352,9 @@ def _moe_gate_up_kernel(
         gdc_launch_dependents()
     expert, n_groups, pair, row_ok = _expert_group(IDS, g, P, BLOCK_P, BLOCK_M, E_WORDS)
     _stamp_after(TL, prog, 5, expert.to(tl.float32), TIMELINE)   # (field 5: the group is known)
+    if GROUP_TABLE:
+        if nb == 0:
+            _write_group_row(GT, g, expert, n_groups, pair, row_ok, BLOCK_M)
     op_ty = tl.float16 if F16 else tl.bfloat16
     if g < n_groups:
         tok = pair // TOPK
@@ -404,9 +407,6 @@ def _moe_gate_up_kernel(
         tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
         if TIMELINE:
             tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
-    if GROUP_TABLE:   # (at the end: nothing more to keep live through the loop)
-        if nb == 0:
-            _write_group_row(GT, g, expert, n_groups, pair, row_ok, BLOCK_M)
     _stamp(TL, prog, 3, TIMELINE)
 
 
