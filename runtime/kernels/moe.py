@@ -75,7 +75,7 @@ GU_BLOCK_K = 128
 # the A operand (session 23) the q1 step took 0.9866 / 0.9880 of 4 stages' time at 8K / 64K (H200,
 # call 8, bench_step.py --ab moe_gu_st3); the MoE alone 57.95 against 60.12 us at 38 experts, 68.83
 # against 69.53 at 48 (call 7, bench_kernels' gu_unroll2_st3 row); 5 stages 1.07 in the step.
-GU_NUM_STAGES = 3
+GU_NUM_STAGES = 4
 GU_NUM_WARPS = 4
 # K steps per loop iteration of the v1 Gate/Up (keyword gu_unroll): the same products in the same
 # order (the same output bit for bit), fewer loop and pipeline-wait instructions per weight byte (the
@@ -152,7 +152,7 @@ GT_COLS = 32        # [0] expert, [16, 16 + GU / Down BLOCK_M) member pairs
 # GROUP_BITS_MAX_E experts: E / 32 OR-reductions of P values and popcounts) instead of P x P
 # comparisons (``_expert_group_bits``; the same groups). Every Gate/Up program ranks before it can
 # address its first weight tile.
-GROUP_BITS = False
+GROUP_BITS = True
 GROUP_BITS_MAX_E = 256
 
 # v2 (``variant="v2"``): two launches. Gate/Up split along H (GU2_SPLIT_K programs per (group, 32
@@ -800,8 +800,12 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=GU_BLOCK_K, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
-        # (the default unroll was measured at the default width; at 64 columns two steps spill)
-        UNROLL=int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), WAIT=wait and not no_wait,
+        # (the default unroll was measured at the default width; at 64 columns two steps spill; and no
+        # more K steps per iteration than leave the loop two iterations: at H = 256 (q1-mini) two steps
+        # would make it run once, and with the cheap ranking (group_bits) ptxas then spilled 8 B; the
+        # same products in the same order either way)
+        UNROLL=max(1, min(int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), H // (2 * GU_BLOCK_K))),
+        WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
         GT=act_scale if table is None else table, GROUP_TABLE=table is not None, E_WORDS=e_words,
         num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
