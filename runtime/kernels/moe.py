@@ -4,8 +4,11 @@ Algorithm (three launches, all grids fixed on the host; no host synchronisation)
 -------------------------------------------------------------------------------
 The w x 8 (row, expert) pairs are numbered p = row * 8 + k. Every program first derives, on the
 device and with no sort, the grouping of the pairs by expert (``_expert_group``): pair p's rank
-among the pairs of its expert and whether it is the first one, from a P x P comparison (P <= 64);
-group g is the g-th smallest distinct expert; its members are its pairs in increasing p. So every
+among the pairs of its expert and whether it is the first one, from a P x P comparison (P <= 64), or
+by default (GROUP_BITS, at most 256 experts) from a bitmap of the experts present and popcounts;
+group g is the g-th smallest distinct expert; its members are its pairs in increasing p. By default
+(GROUP_TABLE) only the Gate/Up ranks: its programs (g, 0) write group g's row of a small table, which
+the wide Down reads after its wait. So every
 distinct expert is handled by exactly one group, and its weights are read once per step however
 many rows chose it. Groups past the device-side count do nothing (the grid is sized for the worst
 case, min(P, E) groups).
@@ -75,6 +78,9 @@ GU_BLOCK_K = 128
 # the A operand (session 23) the q1 step took 0.9866 / 0.9880 of 4 stages' time at 8K / 64K (H200,
 # call 8, bench_step.py --ab moe_gu_st3); the MoE alone 57.95 against 60.12 us at 38 experts, 68.83
 # against 69.53 at 48 (call 7, bench_kernels' gu_unroll2_st3 row); 5 stages 1.07 in the step.
+# 4 again since session 26, with GROUP_BITS: the cheap ranking takes the Gate/Up from ~150 to ~71
+# registers, so shared memory sets its occupancy, and at 3 stages (40 KiB) up to five programs share an
+# SM (q1 step 1.035 of the old ranking's time; 4 stages, 48 KiB, at most four: 0.995; 5 stages 1.08).
 GU_NUM_STAGES = 4
 GU_NUM_WARPS = 4
 # K steps per loop iteration of the v1 Gate/Up (keyword gu_unroll): the same products in the same
@@ -151,7 +157,10 @@ GT_COLS = 32        # [0] expert, [16, 16 + GU / Down BLOCK_M) member pairs
 # Expert groups ranked through a bitmap of the experts present (keyword group_bits; up to
 # GROUP_BITS_MAX_E experts: E / 32 OR-reductions of P values and popcounts) instead of P x P
 # comparisons (``_expert_group_bits``; the same groups). Every Gate/Up program ranks before it can
-# address its first weight tile.
+# address its first weight tile. Session 26 (H200): the Gate/Up's ranking 3.74 -> 1.66 us (median,
+# timeline), the MoE alone 0.965 / 0.973 at 38 / 48 experts; the q1 step with 4 Gate/Up stages (see
+# GU_NUM_STAGES) 0.9947 / 0.9955 of the comparisons' with 3 stages (call 8), the comparisons with 3
+# stages 1.0054 / 1.0047 of it (call 9; bench_step.py --ab moe_group_cmp_st3).
 GROUP_BITS = True
 GROUP_BITS_MAX_E = 256
 
