@@ -345,8 +345,9 @@ def _moe_gate_up_kernel(
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
-    a program with an expert group; field 5: its group known). ``GROUP_TABLE``: program (g, 0) also writes group g's row of
-    ``GT`` (``_write_group_row``) for the wide Down."""
+    a program with an expert group; field 5: its group known). ``GROUP_TABLE``: program (g, 0) also
+    writes group g's row of ``GT`` (``_write_group_row``) for the wide Down. ``E_WORDS``: see
+    ``_expert_group``."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
     prog = g * tl.num_programs(1) + nb
@@ -1075,7 +1076,11 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     CUDA sm_90+ only, ignored elsewhere; default PDL; ``gu_pdl=False`` launches Gate/Up plainly
     while the rest stays programmatic); ``down_prefetch``
     (weight tiles per Down program prefetched to L2 before its wait, with pdl; default DOWN_PREFETCH);
-    ``red_block_h`` (reduce columns per program; default RED_BLOCK_H); ``gu_unroll`` (K steps per
+    ``red_block_h`` (reduce columns per program; default RED_BLOCK_H); ``group_table`` (the wide Down
+    reads its expert group from a table the Gate/Up writes instead of ranking the ids; default
+    GROUP_TABLE where no ``down_prefetch`` is asked for, which it excludes); ``group_bits`` (the groups
+    ranked through a bitmap of the experts instead of P x P comparisons, E <= GROUP_BITS_MAX_E; default
+    GROUP_BITS; the same groups); ``gu_unroll`` (K steps per
     Gate/Up loop iteration; default GU_UNROLL at the default width, else 1); ``norm`` = (residual,
     weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
     rounded to BF16; out = RMSNorm(residual) * weight in BF16, by each row's last reduce program;
