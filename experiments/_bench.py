@@ -6,6 +6,7 @@ shims the interpreter needs. ``DEV`` is the device the benchmark runs on.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import statistics
@@ -80,6 +81,25 @@ def set_carveout(percent: int, names=None) -> int:
                     raise RuntimeError(f"cuFuncSetAttribute({name}, carveout {percent}) failed: CUresult {rc}")
                 n += 1
     return n
+
+
+@contextlib.contextmanager
+def carveouts(spec):
+    """Within the block, the carveouts of ``spec``: (kernel-name parts or None for all, percent)
+    pairs (``set_carveout``); afterwards every recorded kernel's back at the driver's default. A CUDA
+    graph keeps the carveouts its kernels were captured with (probe_carveout.py). Empty: nothing."""
+    for names, pct in spec or ():
+        set_carveout(pct, names)
+    try:
+        yield
+    finally:
+        if spec:
+            set_carveout(-1)
+
+
+def recorded_kernels() -> list[str]:
+    """Names of the kernels ``carveout_hook`` has recorded so far."""
+    return sorted(_FUNCS)
 
 
 def capture_graph(calls):

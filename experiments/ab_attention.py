@@ -22,7 +22,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import (DRY_RUN, carveout_hook, copy_bandwidth, paired_row, replay_paired, set_carveout,  # noqa: E402
+from _bench import (DRY_RUN, carveout_hook, carveouts, copy_bandwidth, paired_row, replay_paired,  # noqa: E402
                     write_results)  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
@@ -150,11 +150,11 @@ CONFIGS = {
     "kv_first1": dict(kv_first=1),
     "kv_first2": dict(kv_first=2),
     "kv_first8": dict(kv_first=8),
-    # preferred shared-memory carveouts (_carve: (kernel-name part or None for all, percent)), set
+    # preferred shared-memory carveouts (_carve: (kernel-name parts or None for all, percent) pairs), set
     # around each launch, so the graph captures them: Triton asks for the largest only above 48 KiB
     # (the split), so the combine's blocks cannot join an SM that still runs a split
-    "carve_all100": dict(_carve=(None, 100)),
-    "carve_comb100": dict(_carve=("_attn_combine_kernel", 100)),
+    "carve_all100": dict(_carve=((None, 100),)),
+    "carve_comb100": dict(_carve=((["_attn_combine_kernel"], 100),)),
     **{p: None for p in PROBES},
 }
 
@@ -165,11 +165,8 @@ def _launches(name, data):
     carve = kw.pop("_carve", None)
 
     def call(q, k, v, s, sp, o):
-        if carve and not DRY_RUN:
-            set_carveout(carve[1], None if carve[0] is None else [carve[0]])
-        A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw)
-        if carve and not DRY_RUN:
-            set_carveout(-1)
+        with carveouts(None if DRY_RUN else carve):
+            A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw)
     return [(lambda d=d: call(*d)) for d in data]
 
 

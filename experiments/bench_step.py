@@ -58,7 +58,7 @@ import time
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import (CUDA, DEV, DRY_RUN, carveout_hook, copy_bandwidth, critical_path, set_carveout,  # noqa: E402
+from _bench import (CUDA, DEV, DRY_RUN, carveout_hook, carveouts, copy_bandwidth, critical_path,  # noqa: E402
                     time_call, write_results)  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
@@ -578,15 +578,11 @@ def step_fn(rnd: Round, st: DecodeState):
     carve = getattr(rnd, "_carveout", None) if CUDA else None   # (the dry run: no driver to ask)
 
     def step():
-        if carve:   # (carve_* variants: the kernels' carveouts while this step runs or is captured)
-            for names, pct in carve:
-                set_carveout(pct, names)
-        rnd.verify(st, W)
-        rnd.draft_first(st, W)
-        for k in range(2, DEPTHS + 1):
-            rnd.draft_next(st, k)
-        if carve:
-            set_carveout(-1)
+        with carveouts(carve):   # (carve_* variants: the kernels' carveouts while this step runs or is captured)
+            rnd.verify(st, W)
+            rnd.draft_first(st, W)
+            for k in range(2, DEPTHS + 1):
+                rnd.draft_next(st, k)
     return step
 
 

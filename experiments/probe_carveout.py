@@ -23,7 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _bench import DEV, capture_graph, carveout_hook, copy_bandwidth, set_carveout, time_call, write_results  # noqa: E402
+from _bench import (DEV, capture_graph, carveout_hook, copy_bandwidth, recorded_kernels, set_carveout,  # noqa: E402
+                    time_call, write_results)
 
 import torch  # noqa: E402
 
@@ -62,7 +63,7 @@ def main():
         for c in calls:
             c()
         torch.cuda.synchronize()
-        print("kernels recorded:", sorted(k for k in set_carveout.__globals__["_FUNCS"]), flush=True)
+        print("kernels recorded:", recorded_kernels(), flush=True)
         graphs = {}
         for name, cfg in CONFIGS.items():
             apply(cfg)
