@@ -384,6 +384,13 @@ LINEAR_VARIANTS = {
     "lin_q6bn64sk16_o6": ("st6.bn64.sk16", "st6"), "lin_q6bn128sk16_o6": ("st6.bn128.sk16", "st6"),
     "lin_q6bn64sk4_o6": ("st6.bn64.sk4", "st6"), "lin_q6bn32sk2_o6": ("st6.bn32.sk2", "st6"),
     "lin_q6bn16sk8_o6": ("st6.bn16.sk8", "st6"),
+    # (session 27: the Q/K/V's planned tiling with partials is 64 x 8 in K steps of 64, i.e.
+    # lin_q6bn64sk8bk64_o6; lin_q6bn64sk8_o6 now takes steps of 128; this is the tiling before)
+    "lin_q6bn32sk4_o6": ("st6.bn32.sk4", "st6"),
+    # (and around the new tiling: 3 / 4 stages, 64-column K steps, 128 x 8, 64 x 12)
+    "lin_q4bn64sk8_o6": ("st4.bn64.sk8", "st6"), "lin_q3bn64sk8_o6": ("st3.bn64.sk8", "st6"),
+    "lin_q6bn64sk8bk64_o6": ("st6.bn64.sk8.bk64", "st6"), "lin_q6bn128sk8_o6": ("st6.bn128.sk8", "st6"),
+    "lin_q6bn64sk12_o6": ("st6.bn64.sk12", "st6"),
 }
 
 
@@ -475,6 +482,12 @@ AB_VARIANTS = {
     # every kernel's / the Gate/Up's at the largest
     "carve_all100": lambda rnd: _carve(rnd, (None, 100)),
     "carve_gu100": lambda rnd: _carve(rnd, (["_moe_gate_up_kernel"], 100)),
+    # session 27: the Gate/Up at 3 stages (40 KiB) with its carveout capping the programs per SM: 57 %
+    # of 228 KiB asks for the 132 KiB configuration (3 programs of 40 + 1 KiB), 71 % for 164 KiB (4).
+    # Tests session 26's reading that 3 stages lost in the step through 5 programs per SM.
+    **{f"moe_gu_st3_cv{pct}": (lambda rnd, pct=pct: (_moe_opts(rnd, gu_num_stages=3),
+                                                     _carve(rnd, (["_moe_gate_up_kernel"], pct))))
+       for pct in (57, 71)},
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 5 / 8 column blocks
     # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB_WEIGHTS_A = 6)
     **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},

@@ -965,7 +965,7 @@ def test_interpreted_qkv_sum_in_rope_same_logits(tiny_restored):
     with pytest.MonkeyPatch.context() as mp:
         real_rope = fastmod._rope.rope_kv_write
         mp.setattr(fastmod._rope, "rope_kv_write", lambda *a, **k: (seen.append("qkv_parts" in k), real_rope(*a, **k))[1])
-        mp.setattr(L, "plan", lambda N, K, sms: (16, 2))
+        mp.setattr(L, "plan", lambda N, K, sms, partials=False: (16, 2))
         out = []
         for on in (False, True):
             fm = FastModel.from_model(t["bf16"])
@@ -974,7 +974,7 @@ def test_interpreted_qkv_sum_in_rope_same_logits(tiny_restored):
             out.append(verify_logits(fm, t["cache"], t["st"], 8))
             assert seen == [on, on]
         assert torch.equal(out[0], out[1])
-        mp.setattr(L, "plan", lambda N, K, sms: (16, 1))
+        mp.setattr(L, "plan", lambda N, K, sms, partials=False: (16, 1))
         fm = FastModel.from_model(t["bf16"])
         fm.qkv_sum_in_rope = True
         seen.clear()

@@ -44,6 +44,17 @@ NUM_WARPS = 4
 PDL = True          # programmatic dependent launch (session 14, q1 step A/B: 1.2-2.0 % of the step)
 PREFETCH = False    # the weight tile asked of L2 before the wait (session 14: the step 0.6-1.2 % slower)
 MAX_ROWS = BLOCK_M
+# With ``partials`` (the consumer, rope_kv_write(qkv_parts=), sums the split-K slices) the plan drops the
+# last arriver's cost and takes at most this many slices. An empirical cap, not a modelled cost: in the
+# q1 step (H200, session 24 call 8, Q/K/V tilings against 32 columns x 4 slices) 64 x 8 measured
+# 0.9950 [0.9933, 0.9966] (8K) / 0.9973 [0.9955, 0.9987] (64K), but the 16-slice tilings the byte count
+# prefers were slower: 128 x 16 1.0032 / 1.0060, 64 x 16 1.0034 / 1.0051 (32 x 8 1.0007 / 1.0000).
+PARTIALS_MAX_SPLIT = 8
+# ... and, where skinny_linear plans the tiling itself, K steps of this many columns (where they divide
+# the slice). Session 27 (H200, q1 step A/B against 64 x 8 in steps of 128, calls 3 and 4): 0.9964
+# [0.9952, 0.9991] / 0.9962 [0.9947, 0.9973] at 8K, 0.9992 / 0.9986 at 64K (that run's A/A at 64K:
+# 1.0012-1.0021).
+PARTIALS_BLOCK_K = 64
 # The weight tile as the MMA's A operand times x^T (8 rows as N, no padding to 16), where M <= 8
 # (keyword weights_a; the MoE's form since session 23). sm_90 compile: 768 against 816 instructions
 # (Q/K/V tiling), 544 against 616 (output projection). H200, session 23 (q1 step A/B, alternating
@@ -148,23 +159,28 @@ def unsupported(N: int, K: int) -> str | None:
     return None
 
 
-def plan(N: int, K: int, sms: int) -> tuple[int, int]:
+def plan(N: int, K: int, sms: int, partials: bool = False) -> tuple[int, int]:
     """(block_n, split_k) for an [N, K] weight on ``sms`` multiprocessors: the fewest bytes one
     multiprocessor reads after the wait (all from L2 once the weights are prefetched: its programs'
     weight tiles and x slices, ~8 rows; with split K the last arriver's partials plus one round trip,
     counted as 16 KiB), programs spread evenly over the SMs; ties to fewer programs, then to wider
-    column blocks."""
+    column blocks.
+
+    ``partials`` (the consumer sums the split-K partials, ``skinny_linear(partials=True)``): a split
+    costs only the consumer's round trip (the 16 KiB), not the last arriver's partials, and at most
+    PARTIALS_MAX_SPLIT slices (see there): at the q1 Q/K/V projection 64 columns x 8 slices instead of
+    32 x 4; q1-mini's projections stay unsplit."""
     best = None
     for bn in (16, 32, 64, 128):
         if N % bn:
             continue
         for sk in (1, 2, 3, 4, 6, 8, 12, 16):
-            if K % sk or not _block_k(K // sk):
+            if K % sk or not _block_k(K // sk) or (partials and sk > PARTIALS_MAX_SPLIT):
                 continue
             progs = N // bn * sk
             ks = K // sk
             per_sm = (-(-progs // sms) * (bn + 8) * ks * 2            # weight tile + ~8 rows of x
-                      + (16384 + sk * BLOCK_M * bn * 4 if sk > 1 else 0))   # the last arriver's sum
+                      + (16384 + (0 if partials else sk * BLOCK_M * bn * 4) if sk > 1 else 0))   # the sum
             key = (per_sm, progs, -bn)
             if best is None or key < best[0]:
                 best = (key, bn, sk)
@@ -183,7 +199,8 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     ``pdl``: programmatic dependent launch (default PDL; sm_90+ CUDA only, ignored elsewhere);
     ``prefetch``: with PDL, the L2 prefetch of the weight tile before the wait (default PREFETCH).
     ``num_stages`` / ``block_k`` / ``num_warps``: the pipeline's depth, K per step and warps per
-    program (defaults NUM_STAGES; the largest of BLOCK_K, 64, 32, 16 that divides the slice; NUM_WARPS).
+    program (defaults NUM_STAGES; the largest of BLOCK_K, 64, 32, 16 that divides the slice, except
+    PARTIALS_BLOCK_K for the planned tiling with ``partials``; NUM_WARPS).
     ``weights_a``: the weight tile as the MMA's A operand times x^T (at most 8 rows; default
     WEIGHTS_A where M <= 8).
     ``partials``: with split K, skip the last arriver's sum and return the FP32 partials [split_k, R,
@@ -202,8 +219,9 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     are the tests', as is ``_resid_bug`` (the sums of squares taken over y instead of res + y)."""
     M, K, N = check_rows_by_weight(x, w, MAX_ROWS)
     dev = x.device
+    planned = block_n is None and split_k is None
     if block_n is None or split_k is None:
-        bn, sk = plan(N, K, device_sm_count(dev))
+        bn, sk = plan(N, K, device_sm_count(dev), partials=bool(partials) and residual is None)
         block_n = bn if block_n is None else int(block_n)
         split_k = sk if split_k is None else int(split_k)
     check(block_n in (16, 32, 64, 128) and N % block_n == 0, f"block_n {block_n}: 16-128, dividing N = {N}")
@@ -240,6 +258,8 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     wa = (WEIGHTS_A and M <= 8) if weights_a is None else bool(weights_a)
     check(M <= 8 or not wa, "weights_a: at most 8 rows")
     bk = _block_k(k_slice) if block_k is None else int(block_k)
+    if block_k is None and planned and not fin and k_slice % PARTIALS_BLOCK_K == 0:
+        bk = PARTIALS_BLOCK_K   # (the planned tiling for a consumer that sums the partials)
     check(bk in (16, 32, 64, 128) and k_slice % bk == 0, f"block_k {block_k}: 16-128, dividing the slice {k_slice}")
     _linear_kernel[(n_blocks, split_k)](
         x, w, out, part, counter, M, x.stride(0), w.stride(0), out.stride(0),

@@ -203,8 +203,9 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
         R.rope_kv_write(torch.randn(8, (nh + 2) * d).to(bf), None, None, nh, 1, kc, kc.clone(), None,
                         labels=torch.zeros(4160, dtype=torch.int64), positions=torch.arange(8), inv_freq=inv,
                         ring_slots=4160)
-        R.rope_kv_write(None, torch.ones(6, 1, d), torch.ones(6, 1, d), nh, 1, kc, kc.clone(), torch.arange(6),
-                        qkv_parts=torch.randn(4, 8, (nh + 2) * d))          # the projection's partials summed here
+        for n_parts in (4, 8):   # the projection's partials summed here (8: q1's plan with partials, 64 x 8)
+            R.rope_kv_write(None, torch.ones(6, 1, d), torch.ones(6, 1, d), nh, 1, kc, kc.clone(), torch.arange(6),
+                            qkv_parts=torch.randn(n_parts, 8, (nh + 2) * d))
     from runtime.speculative import DecodeState                     # the round's state updates
     for H in (6144, 256):
         st = DecodeState.empty(H, 20, 64, 0, [3, 5], "cpu")
@@ -227,6 +228,8 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                          weights_a=False)                                   # x as the MMA's A operand
     LN.skinny_linear(torch.randn(12, 6144).to(bf), torch.randn(1024, 6144).to(bf))   # 12 rows: x as A
     LN.skinny_linear(torch.randn(6, 6144).to(bf), torch.randn(1024, 6144).to(bf), partials=True)   # for RoPE
+    LN.skinny_linear(torch.randn(6, 6144).to(bf), torch.randn(1024, 6144).to(bf), partials=True,
+                     block_n=64, split_k=8, block_k=64)   # (q1's plan with partials on 132 SMs; the stand-in has 4)
     LN.skinny_linear(torch.randn(6, 6144).to(bf), torch.randn(1024, 6144).to(bf), block_n=128, split_k=16,
                      _drop_bug=True, _no_wait=True)
     # the pre-MoE norm inside the output projection (residual=) and the router (norm=): q1, mini

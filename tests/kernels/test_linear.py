@@ -155,6 +155,10 @@ def test_plan_and_argument_checks():
     L = load_kernels("linear")
     assert L.plan(1024, 6144, 132) == (32, 4)
     assert L.plan(6144, 768, 132) == (64, 1)
+    # the consumer sums the partials (rope_kv_write(qkv_parts=)): q1's Q/K/V in 64 x 8 (at most
+    # PARTIALS_MAX_SPLIT slices; the byte count alone would take 128 x 16), q1-mini's stays unsplit
+    assert L.plan(1024, 6144, 132, partials=True) == (64, 8)
+    assert L.plan(512, 256, 132, partials=True) == L.plan(512, 256, 132) == (16, 1)
     x, w = _inputs(4, 256, 512, 1)
     with pytest.raises(ValueError):
         L.skinny_linear(x.float(), w)
@@ -178,3 +182,19 @@ def test_interp_mini_shapes(K, N, tiling):
           "every_step_a_slice": dict(block_n=16, split_k=K // L.BLOCK_K),
           "x_a": dict(weights_a=False, block_n=32, split_k=2)}[tiling]
     _check(L, 5, K, N, seed=K + N, **kw)
+
+
+@cpu_only
+def test_interp_planned_partials_tiling(monkeypatch):
+    """With ``partials`` and no tiling given, skinny_linear on a 132-SM device runs the q1 Q/K/V
+    projection as 64 columns x 8 slices in K steps of PARTIALS_BLOCK_K: its partials equal, bit for
+    bit, those of that tiling given explicitly, and (negative control) differ from the same tiling in
+    K steps of 128 (another FP32 summation order in the interpreter)."""
+    L = load_kernels("linear")
+    monkeypatch.setattr(L, "device_sm_count", lambda device: 132)
+    x, w = _inputs(6, 6144, 1024, 11)
+    planned = L.skinny_linear(x, w, partials=True)
+    assert planned.shape[0] == 8
+    assert torch.equal(planned, L.skinny_linear(x, w, block_n=64, split_k=8, block_k=L.PARTIALS_BLOCK_K,
+                                                partials=True))
+    assert not torch.equal(planned, L.skinny_linear(x, w, block_n=64, split_k=8, block_k=128, partials=True))

@@ -144,19 +144,21 @@ def test_interp_tables():
         assert (err <= 2.0 ** -23) == ok, (start, err)
 
 
-def parts_case(R, L, shape, T, start, ring, seed, drop=False):
+def parts_case(R, L, shape, T, start, ring, seed, drop=False, tiling=(32, 4)):
     """rope_kv_write fed the Q/K/V projection's split-K partials (``qkv_parts``) against the same
     call fed the projection's own BF16 output (its last arriver's sum): (q equal, K rows equal, V rows
-    equal, untouched rows still NaN in both). ``drop``: negative control, the last slice left out."""
+    equal, untouched rows still NaN in both). ``drop``: negative control, the last slice left out.
+    ``tiling``: the projection's (block_n, split_k[, block_k])."""
     nh, nkv, d = shape["nh"], shape["nkv"], shape["d"]
     dev = _dev()
     g = torch.Generator().manual_seed(seed)
     n, k = (nh + 2 * nkv) * d, 512
     x = (torch.randn(T, k, generator=g) * 0.5).to(torch.bfloat16).to(dev)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).to(dev)
-    qkv = L.skinny_linear(x, w, block_n=32, split_k=4)
-    parts = L.skinny_linear(x, w, block_n=32, split_k=4, partials=True)
-    assert parts.shape[0] == 4 and parts.shape[1] >= T and parts.dtype == torch.float32
+    bn, sk, bk = (*tiling, None)[:3]
+    qkv = L.skinny_linear(x, w, block_n=bn, split_k=sk, block_k=bk)
+    parts = L.skinny_linear(x, w, block_n=bn, split_k=sk, block_k=bk, partials=True)
+    assert parts.shape[0] == sk and parts.shape[1] >= T and parts.dtype == torch.float32
     assert torch.equal(L.sum_partials(parts)[:T], qkv) or not HAS_CUDA   # (the interpreter truncates)
     if drop:
         parts = parts[:-1]
@@ -182,17 +184,20 @@ def parts_case(R, L, shape, T, start, ring, seed, drop=False):
 @pytest.mark.parametrize("T", [4, 6, 8])
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("shape", [Q1, MINI], ids=["q1", "mini"])
-def test_gpu_qkv_parts(T, ring, shape):
+@pytest.mark.parametrize("tiling", [(32, 4), (64, 8), (64, 8, 64)], ids=["32x4", "64x8", "64x8_bk64"])
+def test_gpu_qkv_parts(T, ring, shape, tiling):
+    """(64 x 8 in K steps of 64: the q1 Q/K/V projection's planned tiling with partials.)"""
     R, L = load_kernels("rope"), load_kernels("linear")
-    assert all(parts_case(R, L, shape, T, 4157, ring, seed=T))
-    q_ok, k_ok, v_ok, _ = parts_case(R, L, shape, T, 4157, ring, seed=T, drop=True)
+    assert all(parts_case(R, L, shape, T, 4157, ring, seed=T, tiling=tiling))
+    q_ok, k_ok, v_ok, _ = parts_case(R, L, shape, T, 4157, ring, seed=T, drop=True, tiling=tiling)
     assert not q_ok and not k_ok and not v_ok
 
 
 @cpu_only
 @pytest.mark.parametrize("ring", [False, True])
-def test_interp_qkv_parts(ring):
+@pytest.mark.parametrize("tiling", [(32, 4), (64, 8, 64)], ids=["32x4", "64x8_bk64"])
+def test_interp_qkv_parts(ring, tiling):
     R, L = load_kernels("rope"), load_kernels("linear")
-    assert all(parts_case(R, L, MINI, 6, 1000, ring, seed=3))
-    q_ok, k_ok, v_ok, _ = parts_case(R, L, MINI, 6, 1000, ring, seed=3, drop=True)
+    assert all(parts_case(R, L, MINI, 6, 1000, ring, seed=3, tiling=tiling))
+    q_ok, k_ok, v_ok, _ = parts_case(R, L, MINI, 6, 1000, ring, seed=3, drop=True, tiling=tiling)
     assert not q_ok and not k_ok and not v_ok
