@@ -391,6 +391,7 @@ LINEAR_VARIANTS = {
     "lin_q4bn64sk8_o6": ("st4.bn64.sk8", "st6"), "lin_q3bn64sk8_o6": ("st3.bn64.sk8", "st6"),
     "lin_q6bn64sk8bk64_o6": ("st6.bn64.sk8.bk64", "st6"), "lin_q6bn128sk8_o6": ("st6.bn128.sk8", "st6"),
     "lin_q6bn64sk12_o6": ("st6.bn64.sk12", "st6"),
+    "lin_q6bn64sk8bk32_o6": ("st6.bn64.sk8.bk32", "st6"), "lin_q_o6bk64": ("", "st6.bk64"),
 }
 
 
@@ -462,6 +463,12 @@ AB_VARIANTS = {
     # the MoE's Gate/Up with 3 / 4 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
     # moe.DOWN_WIDE_NUM_STAGES)
     **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 4, 5)},
+    # the Gate/Up in K steps of 64 (moe gu_block_k; default 128, the scale block): 2 steps per iteration
+    # at 4 stages (half the default's shared memory and bytes in flight: 30 KiB, sm_90 compile), 4 steps
+    # per iteration (the default's 60 KiB: Triton buffers each unrolled load's stages) or 2 at 8 stages
+    "moe_gu_bk64": lambda rnd: _moe_opts(rnd, gu_block_k=64),
+    "moe_gu_bk64_u4": lambda rnd: _moe_opts(rnd, gu_block_k=64, gu_unroll=4),
+    "moe_gu_bk64_st8": lambda rnd: _moe_opts(rnd, gu_block_k=64, gu_num_stages=8),
     # the Gate/Up with x and the wide Down with the activations as the MMA's A operand (the forms
     # before session 23; the defaults since: the weights), each alone and both
     "moe_gu_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False),

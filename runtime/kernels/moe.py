@@ -797,24 +797,26 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
-                    weights_a=False, maxnreg=None, table=None, e_words=0):
-    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``weights_a``: the weights as the
+                    weights_a=False, maxnreg=None, table=None, e_words=0, block_k=None):
+    """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``block_k``: H per K step (128, the
+    weight scale block, or 64: each scale applies to two steps); ``weights_a``: the weights as the
     MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics); ``table``: the
     group table it also writes (int32 [grid(0), GT_COLS]) for the wide Down."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
+    bk = int(block_k or GU_BLOCK_K)
     _moe_gate_up_kernel[grid](
         x, ids, w13, s13, act.view(torch.uint8), act_scale,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
         act.stride(0), act_scale.stride(0), P,
         H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=GU_BLOCK_K, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
+        BLOCK_K=bk, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
         # (the default unroll was measured at the default width; at 64 columns two steps spill; and no
         # more K steps per iteration than leave the loop two iterations: at H = 256 (q1-mini) two steps
         # would make it run once, and with the cheap ranking (group_bits) ptxas then spilled 8 B; the
         # same products in the same order either way)
-        UNROLL=max(1, min(int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), H // (2 * GU_BLOCK_K))),
+        UNROLL=max(1, min(int(unroll or (GU_UNROLL if block_n == GU_BLOCK_N else 1)), H // (2 * bk))),
         WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
         GT=act_scale if table is None else table, GROUP_TABLE=table is not None, E_WORDS=e_words,
@@ -943,7 +945,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
              _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
-             group_table=None, group_bits=None):
+             group_table=None, group_bits=None, gu_block_k=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -962,6 +964,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     dev = x.device
     bn = int(gu_block_n or GU_BLOCK_N)   # Gate/Up columns per program = the activation-scale block (v1)
     check(bn in (16, 32, 64, 128) and (variant == "v1" or bn == GU_BLOCK_N), "gu_block_n: 16/32/64/128, v1 only")
+    check(gu_block_k in (None, 64, 128) and (variant == "v1" or gu_block_k is None), "gu_block_k: 64 or 128, v1 only")
     n_ablk = triton.cdiv(I, bn)
     act = torch.empty((P, I), device=dev, dtype=torch.float8_e4m3fn)
     act_scale = torch.empty((P, n_ablk), device=dev, dtype=torch.float32)
@@ -1010,7 +1013,8 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 block_n=bn, pdl=use_pdl and nb > 1, unroll=gu_unroll,
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
                                                 no_wait=_gu_no_wait, tl_buf=_timeline, weights_a=gwa,
-                                                maxnreg=gu_maxnreg, table=table, e_words=ew)),
+                                                maxnreg=gu_maxnreg, table=table, e_words=ew,
+                                                block_k=gu_block_k)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
@@ -1081,7 +1085,8 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     GROUP_TABLE where no ``down_prefetch`` is asked for, which it excludes); ``group_bits`` (the groups
     ranked through a bitmap of the experts instead of P x P comparisons, E <= GROUP_BITS_MAX_E; default
     GROUP_BITS; the same groups); ``gu_unroll`` (K steps per
-    Gate/Up loop iteration; default GU_UNROLL at the default width, else 1); ``norm`` = (residual,
+    Gate/Up loop iteration; default GU_UNROLL at the default width, else 1); ``gu_block_k`` (v1 Gate/Up
+    H per K step: GU_BLOCK_K = 128 or 64, the scale applied per step, so other FP32 roundings); ``norm`` = (residual,
     weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
     rounded to BF16; out = RMSNorm(residual) * weight in BF16, by each row's last reduce program;
     ``counter`` int32 zeros, at least w, left zero by each call) - the MoE output itself is then not

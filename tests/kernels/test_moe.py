@@ -279,7 +279,7 @@ def test_q1_shard_wide_down(w, kind, nb):
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(gu_weights_a=False), dict(gu_num_stages=3), dict(gu_unroll=1, gu_num_stages=6),
                                   dict(down_weights_a=False), dict(gu_weights_a=False, down_weights_a=False),
-                                  dict(down_nb=8)])
+                                  dict(down_nb=8), dict(gu_block_k=64), dict(gu_block_k=64, gu_unroll=4)])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
 def test_q1_shard_operand_orders(w, kind, opts):
     """Both operand orders of the Gate/Up and the wide Down (gu_weights_a / down_weights_a: the
@@ -529,9 +529,11 @@ def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16, w_a):
 @cpu_only
 @pytest.mark.parametrize("opts,shape,w,kind", [(dict(gu_weights_a=False), MINI, 6, "shared"),
                                                (dict(gu_num_stages=3), MINI_K, 8, "same"),
-                                               (dict(gu_unroll=1, down_weights_a=False), MINI, 4, "random")])
+                                               (dict(gu_unroll=1, down_weights_a=False), MINI, 4, "random"),
+                                               (dict(gu_block_k=64), MINI_K, 6, "shared")])
 def test_interp_operand_orders(opts, shape, w, kind):
-    """Both operand orders on the interpreter; the wrong weight-scale block is caught."""
+    """Both operand orders (and 64-wide Gate/Up K steps) on the interpreter; the wrong weight-scale
+    block is caught."""
     M = load_kernels("moe")
     assert _ok(run_case(M, shape, w, kind, seed=3, **opts))
     assert _rejected(run_case(M, shape, w, kind, seed=3, _scale_bug=True, **opts))
