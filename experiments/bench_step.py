@@ -508,6 +508,10 @@ AB_VARIANTS = {
         lambda rnd, bn=bn, st=st, kf=kf: _attn_opts(rnd, block_n=bn, num_stages=st, **({"kv_first": 2} if kf else {})))
        for bn, st, kf in ((32, 6, False), (32, 4, False), (32, 8, False), (32, 6, True), (64, 6, False),
                           (64, 3, False))},
+    # the full-cache attention split asking L2 for its first 2 / 4 / 8 key blocks before its wait (keyword
+    # prefetch; default attention.PREFETCH_BLOCKS = 0, chosen in session 12 in ab_attention, whose
+    # predecessor, the previous call's combine, does not release it early; in the step rope_kv_write does)
+    **{f"attn_pf{n}": (lambda rnd, n=n: _attn_opts(rnd, prefetch=n)) for n in (2, 4, 8)},
     # the attention combine with 1 / 4 / 8 warps (default attention.COMBINE_NUM_WARPS)
     **{f"attn_cw{n}": (lambda rnd, n=n: _attn_opts(rnd, combine_num_warps=n)) for n in (1, 4, 8)},
     # lin_q{Q/K/V}_o{output}: see LINEAR_VARIANTS
