@@ -54,7 +54,11 @@ def test_tp2_over_gloo_matches_single_rank(tmp_path, tp1):
     r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
     logits1, gen1 = tp1
     rel = float((r0["logits"] - logits1).norm() / logits1.norm())
-    assert rel < 1e-5, rel
+    # FP32 sums in another order (each row-parallel product in two halves, added by the all-reduce):
+    # < 1e-5 on the hosts until session 26, 2.1e-5 on session 27's AMD EPYC host (the same on session
+    # 26's tree, so the CPU's BLAS, not a change). The negative control below (one shard without its
+    # communication) lands above 1e-2.
+    assert rel < 1e-4, rel
     # every rank selects the same tokens without a broadcast, and they are the single-rank tokens
     assert r0["tokens"] == r1["tokens"] == gen1.tokens
     assert r0["steps"] == gen1.steps
