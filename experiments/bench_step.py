@@ -483,7 +483,7 @@ AB_VARIANTS = {
     "moe_group_bits": lambda rnd: _moe_opts(rnd, group_bits=True),
     "moe_group_cmp": lambda rnd: _moe_opts(rnd, group_bits=False),
     "moe_group_cmp_st3": lambda rnd: _moe_opts(rnd, group_bits=False, gu_num_stages=3),
-    # (with 4 / 5 Gate/Up stages: 48 / 60 KiB of shared memory, at most 4 / 3 Gate/Up programs per SM)
+    # (with 4 / 5 Gate/Up stages: 60 / 80 KiB of shared memory, at most 3 / 2 Gate/Up programs per SM)
     **{f"moe_group_bits_st{n}": (lambda rnd, n=n: _moe_opts(rnd, group_bits=True, gu_num_stages=n)) for n in (4, 5)},
     # preferred shared-memory carveouts (Triton sets the largest only above 48 KiB of shared memory):
     # every kernel's / the Gate/Up's at the largest

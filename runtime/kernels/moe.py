@@ -78,9 +78,10 @@ GU_BLOCK_K = 128
 # the A operand (session 23) the q1 step took 0.9866 / 0.9880 of 4 stages' time at 8K / 64K (H200,
 # call 8, bench_step.py --ab moe_gu_st3); the MoE alone 57.95 against 60.12 us at 38 experts, 68.83
 # against 69.53 at 48 (call 7, bench_kernels' gu_unroll2_st3 row); 5 stages 1.07 in the step.
-# 4 again since session 26, with GROUP_BITS: the cheap ranking takes the Gate/Up from ~150 to ~71
-# registers, so shared memory sets its occupancy, and at 3 stages (40 KiB) up to five programs share an
-# SM (q1 step 1.035 of the old ranking's time; 4 stages, 48 KiB, at most four: 0.995; 5 stages 1.08).
+# 4 again since session 26, with GROUP_BITS (~71 registers): q1 step at 3 stages 1.035 of the old
+# ranking's time, at 4 stages 0.995, at 5 stages 1.08. sm_90 compile: 40 / 60 / 80 KiB of shared memory
+# at 3 / 4 / 5 stages. Not occupancy: session 27 capped the 3-stage kernel at three programs per SM
+# (its carveout), as many as 4 stages' 60 KiB allow, and it stayed 1.040 (experiments/notes/kernels.md).
 GU_NUM_STAGES = 4
 GU_NUM_WARPS = 4
 # K steps per loop iteration of the v1 Gate/Up (keyword gu_unroll): the same products in the same
@@ -1084,10 +1085,9 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     reads its expert group from a table the Gate/Up writes instead of ranking the ids; default
     GROUP_TABLE where no ``down_prefetch`` is asked for, which it excludes); ``group_bits`` (the groups
     ranked through a bitmap of the experts instead of P x P comparisons, E <= GROUP_BITS_MAX_E; default
-    GROUP_BITS; the same groups); ``gu_unroll`` (K steps per
-    Gate/Up loop iteration; default GU_UNROLL at the default width, else 1); ``gu_block_k`` (v1 Gate/Up
-    H per K step: GU_BLOCK_K = 128 or 64, the scale applied per step, so other FP32 roundings); ``norm`` = (residual,
-    weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
+    GROUP_BITS; the same groups); ``gu_unroll`` (K steps per Gate/Up loop iteration; default GU_UNROLL
+    at the default width, else 1); ``gu_block_k`` (v1 Gate/Up H per K step: GU_BLOCK_K = 128 or 64, the
+    scale applied per step, so other FP32 roundings); ``norm`` = (residual, weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
     rounded to BF16; out = RMSNorm(residual) * weight in BF16, by each row's last reduce program;
     ``counter`` int32 zeros, at least w, left zero by each call) - the MoE output itself is then not
     written; ``norm_weight_first``: its weight loaded before the reduce's wait (default
