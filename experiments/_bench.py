@@ -87,7 +87,11 @@ def set_carveout(percent: int, names=None) -> int:
 def carveouts(spec):
     """Within the block, the carveouts of ``spec``: (kernel-name parts or None for all, percent)
     pairs (``set_carveout``); afterwards every recorded kernel's back at the driver's default. A CUDA
-    graph keeps the carveouts its kernels were captured with (probe_carveout.py). Empty: nothing."""
+    graph keeps the carveouts its kernels were captured with (probe_carveout.py). Empty: nothing.
+    Refused when ``carveout_hook`` has recorded no kernel: the carveouts would silently reach none
+    (session 27's ``moe_gu_st3_cv*`` step variants ran without the hook and measured no carveout)."""
+    if spec and not _FUNCS:
+        raise RuntimeError("carveouts: no kernel recorded; call carveout_hook() before the kernels load")
     for names, pct in spec or ():
         set_carveout(pct, names)
     try:

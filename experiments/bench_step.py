@@ -461,7 +461,8 @@ AB_VARIANTS = {
     # the router in 2 ... 48 H slices (route_topk split_h; default router.SPLIT_H)
     **{f"router_sh{n}": (lambda rnd, n=n: _router(rnd, split_h=n)) for n in (2, 4, 8, 12, 16, 24, 48)},
     # the MoE's Gate/Up with 3 / 4 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
-    # moe.DOWN_WIDE_NUM_STAGES)
+    # moe.DOWN_WIDE_NUM_STAGES; a stage count other than the default keeps the driver's carveout, so
+    # moe_gu_st4 is the default until session 28)
     **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 4, 5)},
     # the Gate/Up in K steps of 64 (moe gu_block_k; default 128, the scale block): 2 steps per iteration
     # at 4 stages (half the default's shared memory and bytes in flight: 30 KiB, sm_90 compile), 4 steps
@@ -486,15 +487,18 @@ AB_VARIANTS = {
     # (with 4 / 5 Gate/Up stages: 60 / 80 KiB of shared memory, at most 3 / 2 Gate/Up programs per SM)
     **{f"moe_group_bits_st{n}": (lambda rnd, n=n: _moe_opts(rnd, group_bits=True, gu_num_stages=n)) for n in (4, 5)},
     # preferred shared-memory carveouts (Triton sets the largest only above 48 KiB of shared memory):
-    # every kernel's / the Gate/Up's at the largest
+    # every kernel's at the largest (except the Gate/Up's, which moe's launch sets to its own,
+    # GU_CARVEOUT, before every launch) / the Gate/Up's at the largest (its moe keyword)
     "carve_all100": lambda rnd: _carve(rnd, (None, 100)),
-    "carve_gu100": lambda rnd: _carve(rnd, (["_moe_gate_up_kernel"], 100)),
-    # session 27: the Gate/Up at 3 stages (40 KiB) with its carveout capping the programs per SM: 57 %
-    # of 228 KiB asks for the 132 KiB configuration (3 programs of 40 + 1 KiB), 71 % for 164 KiB (4).
-    # Tests session 26's reading that 3 stages lost in the step through 5 programs per SM.
-    **{f"moe_gu_st3_cv{pct}": (lambda rnd, pct=pct: (_moe_opts(rnd, gu_num_stages=3),
-                                                     _carve(rnd, (["_moe_gate_up_kernel"], pct))))
+    "carve_gu100": lambda rnd: _moe_opts(rnd, gu_carveout=100),
+    # the Gate/Up at 3 stages (40 KiB) with its carveout capping the programs per SM (moe gu_carveout;
+    # the default since session 28: 3 stages at 57 %): 57 % of 228 KiB asks for the 132 KiB
+    # configuration (3 programs of 40 + 1 KiB), 71 % for 164 KiB (4); nocv: the driver's default (5
+    # fit). Until session 28 these set the carveout through _carve, whose hook bench_step installed
+    # for carve_* names only: session 27 measured them without any carveout.
+    **{f"moe_gu_st3_cv{pct}": (lambda rnd, pct=pct: _moe_opts(rnd, gu_num_stages=3, gu_carveout=pct))
        for pct in (57, 71)},
+    "moe_gu_st3_nocv": lambda rnd: _moe_opts(rnd, gu_num_stages=3, gu_carveout=-1),
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 5 / 8 column blocks
     # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB_WEIGHTS_A = 6)
     **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},
@@ -936,8 +940,9 @@ def main() -> int:
                  f"ceil_{{part}}[+{{part}}...] with parts {', '.join(ABLATIONS)}")
     except ValueError as e:
         ap.error(f"--ab / --ab-base: {e}")
-    if CUDA and any(n.startswith("carve_") for n in args.ab + [args.ab_base or ""]):
-        carveout_hook()   # before any kernel is loaded: set_carveout reaches the kernels loaded after this
+    if CUDA:   # before any kernel is loaded: the carveout variants' set_carveout reaches the kernels
+        carveout_hook()   # loaded after this (it only records them; until session 27 it was installed for
+        # carve_* names only, so the moe_gu_st3_cv* variants set no carveout)
     args.reps_fast = args.reps_fast or (1 if DRY_RUN else 20)
     args.reps_ref = args.reps_ref or (1 if DRY_RUN else 5)
     args.warmup = (0 if DRY_RUN else 3) if args.warmup is None else args.warmup

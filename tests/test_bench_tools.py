@@ -53,3 +53,26 @@ def test_sass_loop_picks_the_backward_branch_with_the_most_mmas():
     mix = opcode_mix(body)
     assert mix["HMMA.16816.F32"] == 2 and mix["BRA"] == 2 and mix["LDS.64"] == 1
     assert hot_loop("\n".join([ins(0x00, "HMMA.16816.F32 R8, R4, R6, R8"), ins(0x10, "BRA 0x20")])) == []
+
+
+def test_carveouts_refuse_when_no_kernel_was_recorded(monkeypatch):
+    """The carveout variants must not run without carveout_hook: with no kernel recorded the
+    carveouts would reach none (session 27's moe_gu_st3_cv* step variants did exactly that). An
+    empty spec needs no hook; negative control: with a kernel recorded, the carveout is set (here a
+    stand-in for the driver call) and reset to the driver's default afterwards."""
+    import pytest
+
+    import _bench
+
+    monkeypatch.setattr(_bench, "_FUNCS", {})
+    with pytest.raises(RuntimeError, match="carveout_hook"):
+        with _bench.carveouts([(None, 57)]):
+            pass
+    with _bench.carveouts([]):
+        pass
+    calls = []
+    monkeypatch.setattr(_bench, "_FUNCS", {"_moe_gate_up_kernel": {1}})
+    monkeypatch.setattr(_bench, "set_carveout", lambda pct, names=None: calls.append((pct, names)) or 1)
+    with _bench.carveouts([(["_moe_gate_up_kernel"], 57)]):
+        assert calls == [(57, ["_moe_gate_up_kernel"])]
+    assert calls[-1] == (-1, None)   # back at the driver's default afterwards

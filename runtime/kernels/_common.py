@@ -87,6 +87,67 @@ def pdl_supported(device: torch.device) -> bool:
     return _capability(index)[0] >= 9
 
 
+# CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT of the CUDA driver API
+_CARVEOUT_ATTR = 9
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    import ctypes
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def set_function_carveout(function: int, percent: int) -> None:
+    """The preferred shared-memory carveout of a loaded kernel function (a CUfunction handle):
+    percent of the SM's largest shared-memory configuration, or -1 for the driver's default. The
+    driver takes the configuration at or above it; it holds while a block of the function is
+    resident, so it caps how many of the function's blocks share an SM. A CUDA graph keeps the
+    carveout its kernels were captured with."""
+    import ctypes
+    rc = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(function), ctypes.c_int(_CARVEOUT_ATTR),
+                                       ctypes.c_int(int(percent)))
+    if rc != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}) failed: CUresult {rc}")
+
+
+def function_carveout(function: int) -> int:
+    """The preferred carveout set on a loaded kernel function (-1: none, the driver's default)."""
+    import ctypes
+    out = ctypes.c_int(0)
+    rc = _libcuda().cuFuncGetAttribute(ctypes.byref(out), ctypes.c_int(_CARVEOUT_ATTR), ctypes.c_void_p(function))
+    if rc != 0:
+        raise RuntimeError(f"cuFuncGetAttribute(carveout) failed: CUresult {rc}")
+    return out.value
+
+
+def launch_carved(jit_fn, grid, args: tuple, kw: dict, percent: int | None, functions: dict):
+    """``jit_fn[grid](*args, **kw)`` with the compiled function's preferred shared-memory carveout at
+    ``percent`` (``set_function_carveout``; None: launch as is). The carveout is set before every
+    launch (a driver call, no synchronisation: whatever else set it since, this launch and a graph
+    capturing it get ``percent``), the first launch of each compiled variant included: that variant is
+    compiled and loaded through ``jit_fn.warmup`` first, so a CUDA graph captured even on the first
+    call keeps it. ``functions`` (launch key -> CUfunction) is a dict owned by the caller's module,
+    so two imported copies of this package keep their own (their kernels are distinct functions).
+    Under the interpreter the launch is plain. Returns the compiled kernel."""
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if percent is None or not compiled_cuda(dev):
+        return jit_fn[grid](*args, **kw)
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(),
+           tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args),
+           tuple((k, (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v)
+                 for k, v in kw.items()))
+    fn = functions.get(key)
+    if fn is None:
+        k = jit_fn.warmup(*args, grid=grid, **kw)
+        k._init_handles()   # loads the module: the function exists before its first launch
+        fn = functions[key] = k.function
+    set_function_carveout(fn, percent)
+    k = jit_fn[grid](*args, **kw)
+    if k.function != fn:   # specialised otherwise than the warm-up: carved from its next launch on
+        functions[key] = k.function
+    return k
+
+
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at ``ptrs`` (sm_80+ PTX; no register written, nothing waited

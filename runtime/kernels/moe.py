@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import check, launch_signature, next_pow2, pdl_supported, prefetch_l2
+from ._common import check, launch_carved, launch_signature, next_pow2, pdl_supported, prefetch_l2
 from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp, _stamp_after
 from . import norm as _norm
 from .norm import load_weight, rms_scale
@@ -80,10 +80,24 @@ GU_BLOCK_K = 128
 # against 69.53 at 48 (call 7, bench_kernels' gu_unroll2_st3 row); 5 stages 1.07 in the step.
 # 4 again since session 26, with GROUP_BITS (~71 registers): q1 step at 3 stages 1.035 of the old
 # ranking's time, at 4 stages 0.995, at 5 stages 1.08. sm_90 compile: 40 / 60 / 80 KiB of shared memory
-# at 3 / 4 / 5 stages. Not occupancy: session 27 capped the 3-stage kernel at three programs per SM
-# (its carveout), as many as 4 stages' 60 KiB allow, and it stayed 1.040 (experiments/notes/kernels.md).
-GU_NUM_STAGES = 4
+# at 3 / 4 / 5 stages. 3 again since session 28, with GU_CARVEOUT below: the loss at 3 stages was
+# occupancy after all. With GROUP_BITS the kernel needs ~71 registers, so shared memory alone bounds
+# its programs per SM: 40 KiB lets 5 share an SM. In the step the Gate/Up is launched while the
+# router's 96 programs still hold their SMs, so its programs piled 4-5 deep on the free SMs and 1 on
+# the router's (timeline_step_moe.py, session 28 call 1: 18 SMs with 5 programs, the last ending
+# 38.5 us after the router against 33.4 for 3); alone (the previous call's programs spread evenly)
+# it never exceeded 3. Session 27's carveout cap had not been applied (bench_step installed the
+# hook for carve_* names only).
+GU_NUM_STAGES = 3
+# Preferred shared-memory carveout of the Gate/Up at GU_NUM_STAGES, in percent of 228 KiB (keyword
+# gu_carveout; -1: the driver's default). 57 % asks for the 132 KiB configuration: 3 programs of
+# 40 + 1 KiB fit, 4 do not. Session 28 (H200, bench_step.py --ab, call 2): q1 step at 3 stages capped
+# at 3 per SM 0.9878 / 0.9902 of 4 stages' time at 8K / 64K; capped at 4 (71 %) 1.020; uncapped 1.038.
+# The timeline of the capped kernel in the step: at most 3 per SM, last end 34.5 us against 35.8.
+GU_CARVEOUT = 57
 GU_NUM_WARPS = 4
+# launch_carved's cache: this copy of the package's compiled Gate/Up functions, by launch key
+_GU_FUNCTIONS: dict = {}
 # K steps per loop iteration of the v1 Gate/Up (keyword gu_unroll): the same products in the same
 # order (the same output bit for bit), fewer loop and pipeline-wait instructions per weight byte (the
 # kernel is issue-latency bound). Session 13, H200, same run: MoE 64.48 -> 62.30 us (38 experts),
@@ -798,18 +812,24 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
-                    weights_a=False, maxnreg=None, table=None, e_words=0, block_k=None):
+                    weights_a=False, maxnreg=None, table=None, e_words=0, block_k=None, carveout=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``block_k``: H per K step (128, the
     weight scale block, or 64: each scale applies to two steps); ``weights_a``: the weights as the
     MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics); ``table``: the
-    group table it also writes (int32 [grid(0), GT_COLS]) for the wide Down."""
+    group table it also writes (int32 [grid(0), GT_COLS]) for the wide Down; ``carveout``: the
+    preferred shared-memory carveout in percent (-1: the driver's default; None: GU_CARVEOUT at the
+    default stages)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
     H = x.shape[1]
     bk = int(block_k or GU_BLOCK_K)
-    _moe_gate_up_kernel[grid](
+    stages = num_stages or GU_NUM_STAGES
+    # the carveout (GU_CARVEOUT) belongs to the default stages; other stage counts keep the driver's
+    # default unless asked for explicitly
+    pct = (GU_CARVEOUT if stages == GU_NUM_STAGES else -1) if carveout is None else int(carveout)
+    launch_carved(_moe_gate_up_kernel, grid, (
         x, ids, w13, s13, act.view(torch.uint8), act_scale,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-        act.stride(0), act_scale.stride(0), P,
+        act.stride(0), act_scale.stride(0), P), dict(
         H=H, I=w13.shape[1] // 2, TOPK=ids.shape[1], N_KB=s13.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=bk, SCALE_BUG=scale_bug, F16=GU_F16 if f16 is None else bool(f16), PDL=pdl,
@@ -821,10 +841,10 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
         GT=act_scale if table is None else table, GROUP_TABLE=table is not None, E_WORDS=e_words,
-        num_warps=GU_NUM_WARPS, num_stages=num_stages or GU_NUM_STAGES,
+        num_warps=GU_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if wait else {}),
-        **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg)),
-    )
+        **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg))),
+        pct, _GU_FUNCTIONS)
 
 
 def _launch_down(act, act_scale, ids, w2, s2, y, P, *, num_stages=None, scale_bug=False, act_block=GU_BLOCK_N):
@@ -946,7 +966,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
              _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
-             group_table=None, group_bits=None, gu_block_k=None):
+             group_table=None, group_bits=None, gu_block_k=None, gu_carveout=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -966,6 +986,8 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
     bn = int(gu_block_n or GU_BLOCK_N)   # Gate/Up columns per program = the activation-scale block (v1)
     check(bn in (16, 32, 64, 128) and (variant == "v1" or bn == GU_BLOCK_N), "gu_block_n: 16/32/64/128, v1 only")
     check(gu_block_k in (None, 64, 128) and (variant == "v1" or gu_block_k is None), "gu_block_k: 64 or 128, v1 only")
+    check(gu_carveout is None or (isinstance(gu_carveout, int) and -1 <= gu_carveout <= 100 and variant == "v1"),
+          "gu_carveout: a percent in [0, 100] or -1 (the driver's default), v1 only")
     n_ablk = triton.cdiv(I, bn)
     act = torch.empty((P, I), device=dev, dtype=torch.float8_e4m3fn)
     act_scale = torch.empty((P, n_ablk), device=dev, dtype=torch.float32)
@@ -1015,7 +1037,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 wait=use_pdl and (gu_pdl is None or bool(gu_pdl)),
                                                 no_wait=_gu_no_wait, tl_buf=_timeline, weights_a=gwa,
                                                 maxnreg=gu_maxnreg, table=table, e_words=ew,
-                                                block_k=gu_block_k)),
+                                                block_k=gu_block_k, carveout=gu_carveout)),
             ("down", (lambda: _launch_down(act, act_scale, ids, w2, s2, y, P,
                                            num_stages=down_num_stages, scale_bug=_scale_bug, act_block=bn))
              if nb == 1 else
@@ -1087,7 +1109,10 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     ranked through a bitmap of the experts instead of P x P comparisons, E <= GROUP_BITS_MAX_E; default
     GROUP_BITS; the same groups); ``gu_unroll`` (K steps per Gate/Up loop iteration; default GU_UNROLL
     at the default width, else 1); ``gu_block_k`` (v1 Gate/Up H per K step: GU_BLOCK_K = 128 or 64, the
-    scale applied per step, so other FP32 roundings); ``norm`` = (residual, weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
+    scale applied per step, so other FP32 roundings); ``gu_carveout`` (the v1 Gate/Up's preferred
+    shared-memory carveout in percent, which caps its programs per SM; -1: the driver's default;
+    default GU_CARVEOUT at GU_NUM_STAGES, -1 at other stage counts; CUDA only, values unchanged);
+    ``norm`` = (residual, weight, eps, counter): the next add + RMSNorm fused into the reduce (residual += the MoE output
     rounded to BF16; out = RMSNorm(residual) * weight in BF16, by each row's last reduce program;
     ``counter`` int32 zeros, at least w, left zero by each call) - the MoE output itself is then not
     written; ``norm_weight_first``: its weight loaded before the reduce's wait (default

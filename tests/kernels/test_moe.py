@@ -277,7 +277,7 @@ def test_q1_shard_wide_down(w, kind, nb):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(gu_weights_a=False), dict(gu_num_stages=3), dict(gu_unroll=1, gu_num_stages=6),
+@pytest.mark.parametrize("opts", [dict(gu_weights_a=False), dict(gu_num_stages=4), dict(gu_unroll=1, gu_num_stages=6),
                                   dict(down_weights_a=False), dict(gu_weights_a=False, down_weights_a=False),
                                   dict(down_nb=8), dict(gu_block_k=64), dict(gu_block_k=64, gu_unroll=4)])
 @pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
@@ -289,6 +289,37 @@ def test_q1_shard_operand_orders(w, kind, opts):
     errs = run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), **opts)
     assert _ok(errs), errs
     assert _rejected(run_case(M, Q1, w, kind, seed=900 + w, weights=_q1_weights(), _scale_bug=True, **opts))
+
+
+@pytest.mark.gpu
+def test_q1_shard_gate_up_carveout_reaches_its_function():
+    """gu_carveout (the Gate/Up's preferred shared-memory carveout, which caps its programs per SM):
+    after a default call the compiled Gate/Up function carries GU_CARVEOUT, set before its first
+    launch (the cache of compiled functions fills on that call) and again before each launch; -1 puts
+    the driver's default back on the same function; the output bits never change. Negative control:
+    an explicit
+    gu_carveout is what the function then carries (not a constant), and another stage count keeps
+    the driver's default."""
+    from runtime.kernels._common import function_carveout
+
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = _q1_weights()
+    x = torch.randn(6, Q1["H"], device="cuda").to(torch.bfloat16)
+    ids, tw = make_routing(6, Q1["E"], "random", 77)
+    M._GU_FUNCTIONS.clear()
+    a = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2)
+    assert len(M._GU_FUNCTIONS) == 1
+    fn = next(iter(M._GU_FUNCTIONS.values()))
+    assert function_carveout(fn) == M.GU_CARVEOUT
+    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, gu_carveout=-1)
+    assert function_carveout(fn) == -1 and torch.equal(a, b)
+    c = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, gu_carveout=71)
+    assert function_carveout(fn) == 71 and torch.equal(a, c)
+    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2)
+    assert function_carveout(fn) == M.GU_CARVEOUT
+    d = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, gu_num_stages=4)
+    others = [f for f in M._GU_FUNCTIONS.values() if f != fn]
+    assert len(others) == 1 and function_carveout(others[0]) == -1 and torch.equal(a, d)
 
 
 @pytest.mark.gpu
@@ -321,11 +352,26 @@ def test_group_table_options_are_checked():
         M.moe_plan(x, ids, tw, w13, s13, w2, s2, down_nb=2, group_table=True, down_prefetch=2, pdl=True)
 
 
-def _group_routings(E, seed):
+def test_gate_up_carveout_option_is_checked():
+    """gu_carveout: a percent or -1, v1 only; under the interpreter (no driver) the launch is plain."""
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = (t.to("cpu") for t in make_weights(256, 128, 4, seed=1))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    ids, tw = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2, dtype=torch.int32), torch.rand(2, 8)
+    for good in (-1, 0, 57, 100):
+        M.moe_plan(x, ids, tw, w13, s13, w2, s2, gu_carveout=good)
+    for bad in (101, -2, 57.0, "57"):
+        with pytest.raises(ValueError, match="gu_carveout"):
+            M.moe_plan(x, ids, tw, w13, s13, w2, s2, gu_carveout=bad)
+    with pytest.raises(ValueError, match="gu_carveout"):
+        M.moe_plan(x, ids, tw, w13, s13, w2, s2, gu_carveout=57, variant="v2")
+
+
+def _group_routings(E, seed, widths=(1, 3, 6, 8)):
     """Routings of 1-8 rows over E experts: random, sharing some experts, all the same 8."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for w in (1, 3, 6, 8):
+    for w in widths:
         out.append(torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(w)]))
         base = torch.randperm(E, generator=g)[:min(E, 10)]
         out.append(torch.stack([base[torch.randperm(len(base), generator=g)[:8]] for _ in range(w)]))
@@ -341,7 +387,10 @@ def test_group_bits_rank_like_the_comparisons(E):
     interpreter on the CPU). Negative control: a bitmap one word short (experts >= 32 (words - 1)
     missing) must differ."""
     M = load_kernels("moe")
-    for ids in _group_routings(E, seed=E):
+    # in the interpreter a launch over several bitmap words takes seconds: there the wide tables
+    # (E > 32) take 3 and 8 rows of each kind (the word count, not the row count, is what E varies)
+    widths = (1, 3, 6, 8) if HAS_CUDA or E <= 32 else (3, 8)
+    for ids in _group_routings(E, seed=E, widths=widths):
         ids = ids.to(_dev())
         assert torch.equal(M.expert_groups(ids, E, bits=True), M.expert_groups(ids, E, bits=False)), ids
     if E > 32:
@@ -528,7 +577,7 @@ def test_interp_mini_down_against_its_exact_products(nb, w, kind, f16, w_a):
 
 @cpu_only
 @pytest.mark.parametrize("opts,shape,w,kind", [(dict(gu_weights_a=False), MINI, 6, "shared"),
-                                               (dict(gu_num_stages=3), MINI_K, 8, "same"),
+                                               (dict(gu_num_stages=4, gu_carveout=57), MINI_K, 8, "same"),
                                                (dict(gu_unroll=1, down_weights_a=False), MINI, 4, "random"),
                                                (dict(gu_block_k=64), MINI_K, 6, "shared")])
 def test_interp_operand_orders(opts, shape, w, kind):
