@@ -887,18 +887,64 @@ ABLATION_SKIPS = {"pre_moe_norm": ("_norm", "fused_add_rmsnorm", 0), "qkv": ("_l
                   "moe_reduce": ("_moe", "_launch_reduce", 0)}
 
 
+def _spy_entry_points(mp, skips, calls):
+    """Wrap each (module attribute of runtime.fast, entry point) of ``skips`` so that its calls are
+    counted in ``calls[name]``; returns {name: (module, wrapper)} to check the restore against."""
+    import runtime.fast as fastmod
+
+    spied = {}
+    for modattr, fn, _ in skips:
+        if fn in spied:   # (qkv and o_proj are one entry point: wrapped once, counted once per call)
+            continue
+        mod = getattr(fastmod, modattr)
+        real = getattr(mod, fn)
+        mp.setattr(mod, fn, lambda *a, _fn=fn, _real=real, **k: (calls.setdefault(_fn, []).append(1),
+                                                                _real(*a, **k))[1])
+        spied[fn] = (mod, getattr(mod, fn))
+    return spied
+
+
+@pytest.fixture(scope="module")
+def default_apart_pass(tiny_restored):
+    """One verify pass of the default model with the parts launched apart (as the ablations measure
+    them), every ablatable entry point counted, and the routing it computes per layer."""
+    import runtime.fast as fastmod
+    from runtime.fast import FastModel
+
+    t = tiny_restored
+    calls, routes = {}, []
+    with pytest.MonkeyPatch.context() as mp:
+        _spy_entry_points(mp, ABLATION_SKIPS.values(), calls)
+        counted_route = fastmod._router.route_topk
+        mp.setattr(fastmod._router, "route_topk", lambda *a, **k: routes.append(counted_route(*a, **k)) or routes[-1])
+        default = FastModel.from_model(t["bf16"])
+        default.fuse_router_norm = False   # the ablations measure the parts as launched apart
+        verify_logits(default, t["cache"], t["st"], 8)
+    return {"calls": {fn: len(c) for fn, c in calls.items()}, "routes": routes, "model": default}
+
+
+@cpu_only
+def test_interpreted_default_pass_makes_the_ablatable_calls(default_apart_pass):
+    """The negative control of the ablation test below: without an ablation, one decode pass of the
+    2-layer model makes every ablatable call (4 projections, 2 of each other part), so the spies that
+    test counts through see the calls."""
+    assert default_apart_pass["calls"] == {fn: (4 if modattr == "_linear" else 2)
+                                           for modattr, fn, _ in ABLATION_SKIPS.values()}
+    assert len(default_apart_pass["routes"]) == 2
+
+
 @cpu_only
 @pytest.mark.parametrize("name", ["router"] + [f"router+{p}" for p in sorted(ABLATION_SKIPS) if p != "router"])
-def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, name):
+def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, default_apart_pass, name):
     """``experiments/bench_step.py``'s ceil_router[+{part}] variants (measurement only) remove exactly
     their parts' launches from a decode pass after the first (warm-up) one, and put the module
-    attributes back afterwards; negative control: the default model makes the calls (4 projections,
-    2 of each other part per pass of 2 layers). Unknown parts are refused, and so is a part without
-    the router's replay. The replayed routing is the default's (same ids and weights)."""
+    attributes back afterwards; negative control: the default model makes the calls (the test
+    above, through the same spies). Unknown parts are refused, and so is a part without the router's
+    replay. The replayed routing is the default's (same ids and weights). ``router`` alone also
+    checks a pass of another width (the interpreter's passes are slow: once is enough)."""
     import sys
     import types
 
-    import runtime.fast as fastmod
     from runtime.fast import FastModel
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
@@ -915,37 +961,21 @@ def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, name):
     skips = [ABLATION_SKIPS[p] for p in name.split("+")]
     calls = {}
     with pytest.MonkeyPatch.context() as mp:
-        spied = {}
-        for modattr, fn, _ in skips:
-            mod = getattr(fastmod, modattr)
-            real = getattr(mod, fn)
-            mp.setattr(mod, fn, lambda *a, _fn=fn, _real=real, **k: (calls.setdefault(_fn, []).append(1),
-                                                                    _real(*a, **k))[1])
-            spied[fn] = (mod, getattr(mod, fn))
-        default = FastModel.from_model(t["bf16"])
-        default.fuse_router_norm = False   # the ablations measure the parts as launched apart
-        verify_logits(default, t["cache"], t["st"], 8)
-        assert {fn: len(c) for fn, c in calls.items()} == {
-            fn: (4 if modattr == "_linear" else 2) for modattr, fn, _ in skips}
-        if name == "router":   # what the default routes, to compare with the replay below
-            routes = []
-            with pytest.MonkeyPatch.context() as mp2:
-                real_route = fastmod._router.route_topk
-                mp2.setattr(fastmod._router, "route_topk", lambda *a, **k: routes.append(real_route(*a, **k)) or routes[-1])
-                verify_logits(default, t["cache"], t["st"], 8)
-            calls.clear()
+        spied = _spy_entry_points(mp, skips, calls)
         rnd = types.SimpleNamespace(model=FastModel.from_model(t["bf16"]))
         bench_step.ab_variant(f"ceil_{name}")(rnd)
         verify_logits(rnd.model, t["cache"], t["st"], 8)   # warm-up: stale outputs are made here
         calls.clear()
         verify_logits(rnd.model, t["cache"], t["st"], 8)
         assert {fn: len(calls.get(fn, [])) for _, fn, _ in skips} == {fn: left for _, fn, left in skips}
-        # a pass of another width gets outputs of its own shape (stale results are kept per shape of
-        # every tensor argument, keyword ones included: rope_kv_write is called with keywords only)
-        assert verify_logits(rnd.model, t["cache"], t["st"], 6).shape[0] == 6
         if name == "router":
+            # a pass of another width gets outputs of its own shape (stale results are kept per shape
+            # of every tensor argument, keyword ones included: rope_kv_write is called with keywords
+            # only)
+            assert verify_logits(rnd.model, t["cache"], t["st"], 6).shape[0] == 6
+            default = default_apart_pass["model"]
             replayed = [bench_step._ROUTES[(8, w.data_ptr())] for w in (lw.router for lw in default.layers)]
-            for (ids, wts), (rids, rwts) in zip(routes, replayed):
+            for (ids, wts), (rids, rwts) in zip(default_apart_pass["routes"], replayed):
                 assert torch.equal(ids, rids) and torch.equal(wts, rwts)
         assert all(getattr(mod, fn) is spy for fn, (mod, spy) in spied.items())   # restored after the pass
 
