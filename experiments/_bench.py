@@ -51,8 +51,6 @@ def time_call(fn) -> float:
 # SM's L1 / shared split to the kernel's own occupancy. An SM cannot change that split while blocks
 # run on it, so a programmatic dependent with another split cannot join an SM until it drains.
 _FUNCS: dict[str, set[int]] = {}   # kernel name -> CUfunction handles loaded since carveout_hook()
-CARVEOUT_ATTR = 9                  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-_LIBCUDA = []
 
 
 def carveout_hook() -> None:
@@ -67,18 +65,13 @@ def carveout_hook() -> None:
 def set_carveout(percent: int, names=None) -> int:
     """Preferred shared-memory carveout (percent of the maximum; -1: the driver's default) of every
     recorded kernel whose name contains one of ``names`` (None: all). Returns how many functions."""
-    import ctypes
+    from runtime.kernels._common import set_function_carveout
 
-    if not _LIBCUDA:
-        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
     n = 0
     for name, fns in _FUNCS.items():
         if names is None or any(m in name for m in names):
             for f in fns:
-                rc = _LIBCUDA[0].cuFuncSetAttribute(ctypes.c_void_p(f), ctypes.c_int(CARVEOUT_ATTR),
-                                                    ctypes.c_int(percent))
-                if rc != 0:
-                    raise RuntimeError(f"cuFuncSetAttribute({name}, carveout {percent}) failed: CUresult {rc}")
+                set_function_carveout(f, percent)
                 n += 1
     return n
 

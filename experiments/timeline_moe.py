@@ -102,7 +102,8 @@ def main():
                     "(values read as Python literals)")
     ap.add_argument("--carveout", default="", help="preferred shared-memory carveouts set before the capture, "
                     "NAME=PERCENT,... (NAME: part of a kernel name, * for every kernel; -1: the driver's default), "
-                    "e.g. _moe_gate_up_kernel=100 (see probe_carveout.py)")
+                    "e.g. _moe_down_wide_kernel=100 (see probe_carveout.py). The Gate/Up's own carveout is set "
+                    "before each of its launches (since session 28): use --opts gu_carveout=PERCENT for it")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at toy shapes (no timer)")
     args = ap.parse_args()
     carve = [(k, int(v)) for k, v in (kv.split("=", 1) for kv in args.carveout.split(",") if kv)]
