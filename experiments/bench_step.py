@@ -476,6 +476,10 @@ AB_VARIANTS = {
     "moe_down_x_a": lambda rnd: _moe_opts(rnd, down_weights_a=False),
     "moe_x_a": lambda rnd: _moe_opts(rnd, gu_weights_a=False, down_weights_a=False),
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
+    # (session 28) the wide Down in less shared memory, so that it can join an SM beside the Gate/Up's
+    # programs in their 132 KiB carveout (74 KiB at the default 6 blocks x 3 stages: beside one only)
+    "moe_down_st2": lambda rnd: _moe_opts(rnd, down_num_stages=2),
+    "moe_dnb4_st2": lambda rnd: _moe_opts(rnd, down_nb=4, down_num_stages=2),
     # the wide Down's expert group read from the Gate/Up's table / ranked from the ids (group_table)
     "moe_group_table": lambda rnd: _moe_opts(rnd, group_table=True),
     "moe_group_ranked": lambda rnd: _moe_opts(rnd, group_table=False),

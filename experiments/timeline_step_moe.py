@@ -92,13 +92,16 @@ def main() -> int:
     st = synthetic_state(ref, L, 64, seed=0, gen=gen)
     restore = restorer(st, clone_state(st))
     H, I, E = cfg.hidden_size, shard.expert_width, cfg.num_experts
-    n_gu, n_dn, n_red = M.timeline_programs(W, H, I, E)
     sampling, draft = SamplingConfig(), DraftConfig(policy="fixed", fixed_depth=5)
     rows, raw = [], {}
     for name in names:
         rnd = Round(fast, cache, sampling, draft)
         if name != "default":
             AB_VARIANTS[name](rnd)
+        opts = rnd.model._moe_options   # (the record layout follows the variant's Down and reduce grids)
+        n_gu, n_dn, n_red = M.timeline_programs(W, H, I, E, down_nb=opts.get("down_nb"),
+                                                 red_block_h=opts.get("red_block_h"),
+                                                 down_weights_a=opts.get("down_weights_a"))
         buf = torch.zeros(n_gu + n_dn + n_red, TIMELINE_FIELDS, dtype=torch.int64, device=DEV)
         hits = record_layer(rnd, layer, None if DRY_RUN else buf)
         step = step_fn(rnd, st)
@@ -143,7 +146,8 @@ def main() -> int:
             _sm_last_ends(gu, int(gu[:, 2].min()), per_sm)
             _sm_last_ends(dn, int(gu[:, 3].max()), dn_sm)
         print("  Gate/Up per SM: programs, SMs per replay, last end after the first wait (median, min-max), SM rate")
-        row = dict(variant=name, context=L, layer=layer, step_ms_with_records=statistics.median(ms), **med)
+        row = dict(variant=name, context=L, layer=layer, step_ms_with_records=statistics.median(ms),
+                   programs=[n_gu, n_dn, n_red], **med)
         # bytes per program: Gate + Up FP8 rows of its 32 columns; the Down's share of its expert
         row["gu_per_sm_last_end_us"] = _print_per_sm(per_sm, 2 * M.GU_BLOCK_N * H, len(recs))
         print("  Down per SM: programs, SMs per replay, last end after the last Gate/Up end (median, min-max), SM rate")
@@ -153,8 +157,7 @@ def main() -> int:
         raw[f"{len(rows) - 1}:{name}"] = [torch.cat([r[:, :1], torch.where(r[:, 1:4] > 0, r[:, 1:4] - base, -1), r[:, 4:5]], 1).tolist()
                      for r in recs]
     if rows:
-        out = write_results("timeline_step_moe", {"raw": raw, "programs": [n_gu, n_dn, n_red],
-                                                  "argv": sys.argv}, rows)
+        out = write_results("timeline_step_moe", {"raw": raw, "argv": sys.argv}, rows)
         if out:
             print(f"wrote {out}/timeline_step_moe.json, .csv")
         if len(rows) > 1:
