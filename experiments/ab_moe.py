@@ -30,7 +30,9 @@ from runtime.kernels import moe as M  # noqa: E402
 CONFIGS = {
     "default": {},
     "default_again": {},
-    # the wide Down's shape: column blocks per program and pipeline stages (defaults DOWN_NB_WEIGHTS_A = 6, 3)
+    # the wide Down's shape: column blocks per program and pipeline stages (defaults DOWN_NB_WEIGHTS_A = 4,
+    # DOWN_WIDE_NUM_STAGES_WEIGHTS_A = 2 since session 28; 6 and 3 before: nb6_st3)
+    "nb6_st3": dict(down_nb=6, down_num_stages=3),
     "nb4": dict(down_nb=4),
     "nb5": dict(down_nb=5),
     "nb12": dict(down_nb=12),

@@ -478,8 +478,11 @@ AB_VARIANTS = {
     "moe_down_st4": lambda rnd: _moe_opts(rnd, down_num_stages=4),
     # (session 28) the wide Down in less shared memory, so that it can join an SM beside the Gate/Up's
     # programs in their 132 KiB carveout (74 KiB at the default 6 blocks x 3 stages: beside one only)
-    "moe_down_st2": lambda rnd: _moe_opts(rnd, down_num_stages=2),
+    # (the default since session 28 is 4 blocks at 2 stages: moe_dnb4_st2 is an A/A, moe_dnb6_st3 the
+    # Down before it; on session 28's call 6 moe_down_st2 was 6 x 2 and moe_dnb4 4 x 3, the old stages)
+    "moe_down_st2": lambda rnd: _moe_opts(rnd, down_nb=6, down_num_stages=2),
     "moe_dnb4_st2": lambda rnd: _moe_opts(rnd, down_nb=4, down_num_stages=2),
+    "moe_dnb6_st3": lambda rnd: _moe_opts(rnd, down_nb=6, down_num_stages=3),
     # the wide Down's expert group read from the Gate/Up's table / ranked from the ids (group_table)
     "moe_group_table": lambda rnd: _moe_opts(rnd, group_table=True),
     "moe_group_ranked": lambda rnd: _moe_opts(rnd, group_table=False),
@@ -504,7 +507,8 @@ AB_VARIANTS = {
        for pct in (57, 71)},
     "moe_gu_st3_nocv": lambda rnd: _moe_opts(rnd, gu_num_stages=3, gu_carveout=-1),
     # the MoE reduce over 128 / 512 columns per program, the wide Down over 4 / 5 / 8 column blocks
-    # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB_WEIGHTS_A = 6)
+    # per program (defaults moe.RED_BLOCK_H, moe.DOWN_NB_WEIGHTS_A = 4 since session 28, 6 before; these
+    # keep the default stages, 2 since session 28)
     **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},
     **{f"moe_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, down_nb=n)) for n in (4, 5, 8)},
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)

@@ -138,6 +138,13 @@ DOWN_NB = 8
 # multiplied back.
 DOWN_F16 = True
 DOWN_WIDE_NUM_STAGES = 3
+# The same for the weights-A form (the default, below). 2 since session 28, with 4 column blocks per
+# program (DOWN_NB_WEIGHTS_A): 6 blocks x 3 stages took 74 KiB of shared memory, so beside the
+# Gate/Up's programs in their 132 KiB carveout (GU_CARVEOUT) a Down program could join an SM holding
+# at most one of them; 4 x 2 fits beside two and more Down programs share an SM (timeline_step_moe.py,
+# call 6: the last Down end 55.0 against 55.9 us after the router). q1 step 0.9941 / 0.9956 of 6 x 3
+# at 8K / 64K (bench_step --ab moe_dnb4_st2, call 6); 4 blocks at 3 stages 1.024, 6 at 2 stages 1.038.
+DOWN_WIDE_NUM_STAGES_WEIGHTS_A = 2
 # Wide Down operand order (keyword down_weights_a): True (since session 23) = the weight tile [128, I]
 # times the activations transposed (at most 8 pairs), on mma.sync like the Gate/Up: 148 registers
 # against 218, so three programs per SM instead of two, and then 6 column blocks per program
@@ -145,7 +152,7 @@ DOWN_WIDE_NUM_STAGES = 3
 # weights-A form): MoE 0.994 of the x-as-A Down's time at 38 experts, 0.90 at 48 (its 288 programs
 # then fit in one wave); q1 step 0.994 / 0.996 (8K / 64K). With 8 blocks: 1.009 / 0.91, step 1.007.
 DOWN_WEIGHTS_A = True
-DOWN_NB_WEIGHTS_A = 6
+DOWN_NB_WEIGHTS_A = 4   # 6 until session 28 (see DOWN_WIDE_NUM_STAGES_WEIGHTS_A)
 # Warps of the reduce with the norm fused (``norm=``): the add + RMSNorm kernel's 16, so that the last
 # program's sum of squares over the row has that kernel's layout and order.
 RED_NORM_NUM_WARPS = 16
@@ -875,7 +882,8 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
         s2.stride(2), y.stride(0), P,
         H=H, I=I, N_KB=s2.shape[2],
         BLOCK_P=max(16, next_pow2(P)), BLOCK_M=8 if weights_a else GU_BLOCK_M, BLOCK_N=DOWN_BLOCK_N,
-        ACT_BLOCK=act_block, NB=nb, LOOP_STAGES=num_stages or DOWN_WIDE_NUM_STAGES, SCALE_BUG=scale_bug,
+        ACT_BLOCK=act_block, NB=nb, SCALE_BUG=scale_bug,
+        LOOP_STAGES=num_stages or (DOWN_WIDE_NUM_STAGES_WEIGHTS_A if weights_a else DOWN_WIDE_NUM_STAGES),
         F16=DOWN_F16 if f16 is None else bool(f16), PDL=pdl, PREFETCH=min(int(prefetch), nb) if pdl else 0,
         NO_WAIT=no_wait, TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
         WEIGHTS_A=weights_a, GT=y if table is None else table, GROUP_TABLE=table is not None,
