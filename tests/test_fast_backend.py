@@ -954,8 +954,7 @@ def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, default
     their parts' launches from a decode pass after the first (warm-up) one, and put the module
     attributes back afterwards; negative control: the default model makes the calls (the test
     above, through the same spies). Unknown parts are refused, and so is a part without the router's
-    replay. The replayed routing is the default's (same ids and weights). ``router`` alone also
-    checks a pass of another width (the interpreter's passes are slow: once is enough)."""
+    replay. The replayed routing is the default's (same ids and weights)."""
     import sys
     import types
 
@@ -982,11 +981,10 @@ def test_interpreted_bench_step_ablations_skip_their_part(tiny_restored, default
         calls.clear()
         verify_logits(rnd.model, t["cache"], t["st"], 8)
         assert {fn: len(calls.get(fn, [])) for _, fn, _ in skips} == {fn: left for _, fn, left in skips}
+        # a pass of another width gets outputs of its own shape (stale results are kept per shape of
+        # every tensor argument, keyword ones included: rope_kv_write is called with keywords only)
+        assert verify_logits(rnd.model, t["cache"], t["st"], 6).shape[0] == 6
         if name == "router":
-            # a pass of another width gets outputs of its own shape (stale results are kept per shape
-            # of every tensor argument, keyword ones included: rope_kv_write is called with keywords
-            # only)
-            assert verify_logits(rnd.model, t["cache"], t["st"], 6).shape[0] == 6
             default = default_apart_pass["model"]
             replayed = [bench_step._ROUTES[(8, w.data_ptr())] for w in (lw.router for lw in default.layers)]
             for (ids, wts), (rids, rwts) in zip(default_apart_pass["routes"], replayed):
