@@ -462,7 +462,7 @@ AB_VARIANTS = {
     **{f"router_sh{n}": (lambda rnd, n=n: _router(rnd, split_h=n)) for n in (2, 4, 8, 12, 16, 24, 48)},
     # the MoE's Gate/Up with 3 / 4 / 5 stages, the wide Down with 4 (defaults moe.GU_NUM_STAGES,
     # moe.DOWN_WIDE_NUM_STAGES; a stage count other than the default keeps the driver's carveout, so
-    # moe_gu_st4 is the default until session 28)
+    # moe_gu_st4 is the default before session 28)
     **{f"moe_gu_st{n}": (lambda rnd, n=n: _moe_opts(rnd, gu_num_stages=n)) for n in (3, 4, 5)},
     # the Gate/Up in K steps of 64 (moe gu_block_k; default 128, the scale block): 2 steps per iteration
     # at 4 stages (half the default's shared memory and bytes in flight: 30 KiB, sm_90 compile), 4 steps
@@ -949,7 +949,7 @@ def main() -> int:
     except ValueError as e:
         ap.error(f"--ab / --ab-base: {e}")
     if CUDA:   # before any kernel is loaded: the carveout variants' set_carveout reaches the kernels
-        carveout_hook()   # loaded after this (it only records them; until session 27 it was installed for
+        carveout_hook()   # loaded after this (it only records them; before session 28 it was installed for
         # carve_* names only, so the moe_gu_st3_cv* variants set no carveout)
     args.reps_fast = args.reps_fast or (1 if DRY_RUN else 20)
     args.reps_ref = args.reps_ref or (1 if DRY_RUN else 5)
