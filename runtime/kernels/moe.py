@@ -81,13 +81,13 @@ GU_BLOCK_K = 128
 # 4 again since session 26, with GROUP_BITS (~71 registers): q1 step at 3 stages 1.035 of the old
 # ranking's time, at 4 stages 0.995, at 5 stages 1.08. sm_90 compile: 40 / 60 / 80 KiB of shared memory
 # at 3 / 4 / 5 stages. 3 again since session 28, with GU_CARVEOUT below: the loss at 3 stages was
-# occupancy after all. With GROUP_BITS the kernel needs ~71 registers, so shared memory alone bounds
-# its programs per SM: 40 KiB lets 5 share an SM. In the step the Gate/Up is launched while the
-# router's 96 programs still hold their SMs, so its programs piled 4-5 deep on the free SMs and 1 on
-# the router's (timeline_step_moe.py, session 28 call 1: 18 SMs with 5 programs, the last ending
-# 38.5 us after the router against 33.4 for 3); alone (the previous call's programs spread evenly)
-# it never exceeded 3. Session 27's carveout cap had not been applied (bench_step installed the
-# hook for carve_* names only).
+# occupancy after all. At ~71 registers shared memory alone bounds the programs per SM, and 40 KiB
+# lets 5 share one. In the step the Gate/Up is launched while the router's 96 programs still hold
+# their SMs, so its programs piled 4-5 deep on the free SMs and 1 on the router's
+# (timeline_step_moe.py, session 28 call 1: 18 SMs with 5 programs, the last ending 38.5 us after the
+# router against 33.4 for 3); alone (the previous call's programs spread evenly) it never exceeded 3.
+# Session 27's carveout cap had not been applied (bench_step installed the hook for carve_* names
+# only).
 GU_NUM_STAGES = 3
 # Preferred shared-memory carveout of the Gate/Up at GU_NUM_STAGES, in percent of 228 KiB (keyword
 # gu_carveout; -1: the driver's default). 57 % asks for the 132 KiB configuration: 3 programs of
