@@ -21,7 +21,9 @@ For every kernel and shape it prints and records:
   through the TMA engine (``_tma_read``, sm_90+; NaN elsewhere), with of_read_floor / _tma; and
   skeleton_us, that TMA stream storing a partial per program with the runtime's own combine launch
   over them (the split + merge design with no arithmetic; ``_tma_read.tmasm1_128_s3``), of_skeleton.
-Full results go to $OUT/bench_kernels.json and .csv when OUT is set; a short table comes last.
+Full results go to $OUT/bench_kernels.json and .csv when OUT is set, with the figures of
+``kernel_report.py`` (attention.png, kernels.png); a short table comes last, then every goal of the
+issue with PASS / FAIL (``kernel_report.goal_checks``; ``kernel_report.py`` re-reads a saved run).
 
 ``--dry-run`` runs the whole script on the CPU at toy shapes through the Triton interpreter, with
 wall-clock "timings" that mean nothing: it only checks that the script works before GPU time is
@@ -45,6 +47,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import _tma_read  # noqa: E402
+import kernel_report  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
 from runtime.kernels import linear as LN  # noqa: E402
@@ -654,29 +657,12 @@ def main():
               f"{r['frac']:6.3f} {r.get('eager_us', float('nan')):9.2f} "
               f"{r.get('ref_us', float('nan')):9.1f} {r.get('ref_frac', float('nan')):8.4f} "
               f"{r['bytes'] / 1e6:8.2f}")
-    goals = []
-    for r in ROWS:
-        if r["variant"] != "default":
-            continue
-        if r["kernel"] == "attention" and r.get("keys", 0) >= 65536:
-            goals.append((f"attention {r['shape']} >= 0.70", r["frac"] >= 0.70))
-            print(f"attention {r['shape']}: {r['graph_us']:.2f} us = {r['frac']:.3f} of copy bandwidth; "
-                  f"a torch copy of the same bytes in one call takes {r['copy_same_us']:.2f} us "
-                  f"(= {r['bytes'] / (r['copy_same_us'] * 1e-6) / copy_bw:.3f}), so this call takes "
-                  f"{r['graph_us'] / r['copy_same_us']:.2f}x the copy's time; reading the same K/V bytes "
-                  f"alone in one launch (start_pos first, no arithmetic) takes {r['read_floor_us']:.2f} us "
-                  f"(= {r['bytes'] / (r['read_floor_us'] * 1e-6) / copy_bw:.3f}): {r['graph_us'] / r['read_floor_us']:.2f}x; "
-                  f"through the TMA engine {r['read_floor_tma_us']:.2f} us "
-                  f"(= {r['bytes'] / (r['read_floor_tma_us'] * 1e-6) / copy_bw:.3f}): {r['graph_us'] / r['read_floor_tma_us']:.2f}x; "
-                  f"that stream + a partial per program + the runtime's combine, no arithmetic (the split + "
-                  f"merge design's floor) {r['skeleton_us']:.2f} us "
-                  f"(= {r['bytes'] / (r['skeleton_us'] * 1e-6) / copy_bw:.3f}): {r['graph_us'] / r['skeleton_us']:.2f}x")
-        if r["kernel"] == "moe" and "realistic" in r["shape"]:
-            goals.append((f"moe {r['shape']} >= 0.65", r["frac"] >= 0.65))
-        if "ref_us" in r:
-            goals.append((f"{r['kernel']} {r['shape']} faster than reference",
-                          min(r["graph_us"], r["eager_us"]) < r["ref_us"]))
-    print("goals: " + ", ".join(f"{n}: {'PASS' if ok else 'FAIL'}" for n, ok in goals))
+    for line in kernel_report.attention_lines(ROWS, copy_bw):
+        print(line)
+    print(kernel_report.goal_summary(kernel_report.goal_checks(ROWS)))
+    out = os.environ.get("OUT")
+    if out:
+        print("figures: " + ", ".join(kernel_report.write_figures(ROWS, env, out)))
 
 
 if __name__ == "__main__":

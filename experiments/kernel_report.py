@@ -1,0 +1,288 @@
+"""The issue-7 goals, and figures, from the kernel benchmarks' raw results, on any machine (no GPU).
+
+    python3 experiments/kernel_report.py experiments/results/kernels_s28/call8/bench \\
+        --step experiments/results/kernels_s28/call5/stepb --out /tmp/report
+
+Reads a ``bench_kernels.json`` (a file, or the folder ``OUT=... bench_kernels.py`` wrote it to) and
+prints every goal of the issue with PASS / FAIL, then writes (into ``--out``, default: beside the
+JSON):
+
+* ``attention.png``: per width, each full-cache attention shape's bytes per second as a fraction of
+  the run's copy bandwidth, against context, beside what the same bytes cost without attention
+  arithmetic: the split + merge skeleton (TMA stream, a partial per program, the runtime's combine),
+  the TMA and the register readers (one launch, reading only) and a torch copy of the K rows; the
+  goal (0.70) as a line at the contexts it applies to (64K, 192K);
+* ``kernels.png``: every kernel shape's fraction of copy bandwidth (its goal where it has one) and its
+  speed-up over the eager torch reference;
+* ``step.png`` (with ``--step``, a ``bench_step.py --profile`` JSON or its folder): the q1 step's
+  critical path per part, per context, beside the step's graph time and its floor.
+
+Exit status 1 when any goal fails. ``bench_kernels.py`` prints its goals through ``goal_checks`` and ``attention_lines`` and writes the
+first two figures itself. Nothing here imports torch; matplotlib only when drawing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+ATTENTION_GOAL = 0.70       # of copy bandwidth, full-cache attention at >= 64K keys
+ATTENTION_GOAL_KEYS = 65536
+MOE_GOAL = 0.65             # of copy bandwidth, MoE at 6 live rows with realistic routing
+# the attention series drawn beside the kernel: (row key holding microseconds, label)
+FLOORS = (("skeleton_us", "split + merge skeleton, no arithmetic"),
+          ("read_floor_tma_us", "TMA reader (one launch, reads only)"),
+          ("read_floor_us", "register reader (one launch, reads only)"),
+          ("copy_same_us", "torch copy of the K rows"))
+
+
+def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
+    """(payload, rows, file) of ``path``: a ``<name>.json`` or the folder holding one. Raises
+    SystemExit with what is wrong (missing file, no rows, no copy bandwidth)."""
+    f = os.path.join(path, f"{name}.json") if os.path.isdir(path) else path
+    if not os.path.isfile(f):
+        raise SystemExit(f"{f}: no such file (give a {name}.json or the folder a run wrote it to)")
+    with open(f) as fh:
+        payload = json.load(fh)
+    rows = payload.get("rows") if isinstance(payload, dict) else None
+    if not rows:
+        raise SystemExit(f"{f}: no 'rows': not the output of {name}.py")
+    if name == "bench_kernels" and not (payload.get("env") or {}).get("copy_bw"):
+        raise SystemExit(f"{f}: env.copy_bw missing: fractions of copy bandwidth cannot be checked")
+    return payload, rows, f
+
+
+def _defaults(rows):
+    return [r for r in rows if r.get("variant") == "default"]
+
+
+def goal_checks(rows: list[dict]) -> list[dict]:
+    """Every goal of the issue the run measured, in row order: {name, ok, value, need}. Attention at
+    >= 64K keys and the MoE at realistic routing against their fractions of copy bandwidth; every
+    kernel shape with a reference against it (the faster of its graph and eager times)."""
+    goals = []
+    for r in _defaults(rows):
+        if r["kernel"] == "attention" and r.get("keys", 0) >= ATTENTION_GOAL_KEYS:
+            goals.append(dict(name=f"attention {r['shape']} >= {ATTENTION_GOAL:.2f}", ok=r["frac"] >= ATTENTION_GOAL,
+                              value=r["frac"], need=ATTENTION_GOAL))
+        if r["kernel"] == "moe" and "realistic" in r["shape"]:
+            goals.append(dict(name=f"moe {r['shape']} >= {MOE_GOAL:.2f}", ok=r["frac"] >= MOE_GOAL,
+                              value=r["frac"], need=MOE_GOAL))
+        if "ref_us" in r:
+            t = min(r["graph_us"], r.get("eager_us", math.inf))
+            goals.append(dict(name=f"{r['kernel']} {r['shape']} faster than reference", ok=t < r["ref_us"],
+                              value=r["ref_us"] / t, need=1.0))
+    return goals
+
+
+def goal_summary(goals: list[dict]) -> str:
+    """One line per goal, then the count of passes and failures."""
+    lines = [f"{'PASS' if g['ok'] else 'FAIL'}  {g['name']}  ({g['value']:.3f}; needs "
+             f"{'>=' if 'reference' not in g['name'] else '>'} {g['need']:.2f})" for g in goals]
+    n_ok = sum(g["ok"] for g in goals)
+    return "\n".join(lines + [f"{n_ok} PASS, {len(goals) - n_ok} FAIL"])
+
+
+def attention_lines(rows: list[dict], copy_bw: float) -> list[str]:
+    """Per goal-bearing attention shape: its time and fraction, then each floor's time, fraction and
+    the call's time over it (what the 64K verdict rests on)."""
+    out = []
+    for r in _defaults(rows):
+        if r["kernel"] != "attention" or r.get("keys", 0) < ATTENTION_GOAL_KEYS:
+            continue
+        need_us = r["bytes"] / (ATTENTION_GOAL * copy_bw) * 1e6
+        parts = [f"attention {r['shape']}: {r['graph_us']:.2f} us = {r['frac']:.3f} of copy bandwidth "
+                 f"(the goal {ATTENTION_GOAL:.2f} is {need_us:.2f} us)"]
+        for key, label in FLOORS:
+            us = r.get(key, math.nan)
+            if us == us:
+                parts.append(f"{label}: {us:.2f} us (= {r['bytes'] / (us * 1e-6) / copy_bw:.3f}; the call "
+                             f"takes {r['graph_us'] / us:.2f}x)")
+        out.append("; ".join(parts))
+    return out
+
+
+def attention_series(rows: list[dict], copy_bw: float) -> dict:
+    """{width: {label: [(keys, fraction of copy bandwidth), ...]}} of the full-cache attention rows:
+    the kernel (default variant) and each floor measured beside it, sorted by keys."""
+    out: dict = {}
+    for r in _defaults(rows):
+        if r["kernel"] != "attention" or not r["shape"].startswith("full"):
+            continue
+        s = out.setdefault(r["w"], {})
+        s.setdefault("attention (default)", []).append((r["keys"], r["frac"]))
+        for key, label in FLOORS:
+            us = r.get(key, math.nan)
+            if us == us and us > 0:
+                s.setdefault(label, []).append((r["keys"], r["bytes"] / (us * 1e-6) / copy_bw))
+    for s in out.values():
+        for pts in s.values():
+            pts.sort()
+    return dict(sorted(out.items()))
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _title(env: dict) -> str:
+    return (f"{env.get('device', '?')}, copy {env.get('copy_bw', math.nan) / 1e12:.2f} TB/s, "
+            f"{env.get('time', '')}")
+
+
+def plot_attention(rows: list[dict], env: dict, path: str) -> dict:
+    """attention.png (see the module's doc); returns the series drawn."""
+    plt = _pyplot()
+    series = attention_series(rows, env["copy_bw"])
+    if not series:
+        raise SystemExit("no full-cache attention rows (run bench_kernels.py with --only attention)")
+    fig, axes = plt.subplots(1, len(series), figsize=(5.2 * len(series), 4.4), sharey=True, squeeze=False)
+    styles = {"attention (default)": dict(color="C3", lw=2.4, marker="o")}
+    for i, (_, label) in enumerate(FLOORS):
+        styles[label] = dict(color=f"C{i}", lw=1.3, marker=".", ls="--" if i else "-")
+    for ax, (w, s) in zip(axes[0], series.items()):
+        for label, pts in s.items():
+            ax.plot([k for k, _ in pts], [f for _, f in pts], label=label, **styles[label])
+        goal_keys = sorted({k for k, _ in s["attention (default)"] if k >= ATTENTION_GOAL_KEYS})
+        if goal_keys:
+            ax.hlines(ATTENTION_GOAL, goal_keys[0] / 1.3, goal_keys[-1] * 1.3, colors="k", lw=1.2,
+                      label=f"goal {ATTENTION_GOAL:.2f} (>= 64K keys)")
+        for k, f in s["attention (default)"]:
+            if k >= ATTENTION_GOAL_KEYS:
+                ax.annotate(f"{f:.3f}", (k, f), textcoords="offset points", xytext=(4, -12), fontsize=8,
+                            color="C3" if f < ATTENTION_GOAL else "C2")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([k for k, _ in s["attention (default)"]])
+        ax.set_xticklabels([f"{k // 1024}K" for k, _ in s["attention (default)"]])
+        ax.set_ylim(0, 1.0)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"w = {w} ({6 * w} packed query rows)")
+        ax.set_xlabel("keys (context)")
+    axes[0][0].set_ylabel("KV bytes / time, fraction of copy bandwidth")
+    axes[0][-1].legend(fontsize=7.5, loc="lower right")
+    fig.suptitle(f"Full-cache decode attention against its floors: {_title(env)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series
+
+
+def plot_kernels(rows: list[dict], env: dict, path: str) -> list[dict]:
+    """kernels.png (see the module's doc); returns the rows drawn (default variants)."""
+    plt = _pyplot()
+    drawn = _defaults(rows)
+    if not drawn:
+        raise SystemExit("no default-variant rows to draw")
+    labels = [f"{r['kernel']} {r['shape']}" for r in drawn]
+    y = list(range(len(drawn)))[::-1]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.28 * len(drawn) + 1.6), sharey=True)
+    a1.barh(y, [r["frac"] for r in drawn], color=["C0" if r["kernel"] != "attention" else "C3" for r in drawn])
+    for yi, r in zip(y, drawn):
+        a1.text(r["frac"] + 0.01, yi, f"{r['frac']:.3f}", va="center", fontsize=7)
+        need = (ATTENTION_GOAL if r["kernel"] == "attention" and r.get("keys", 0) >= ATTENTION_GOAL_KEYS
+                else MOE_GOAL if r["kernel"] == "moe" and "realistic" in r["shape"] else None)
+        if need is not None:
+            a1.plot([need, need], [yi - 0.45, yi + 0.45], color="k", lw=2)
+    a1.set_yticks(y)
+    a1.set_yticklabels(labels, fontsize=7.5)
+    a1.set_xlim(0, 1.05)
+    a1.set_xlabel("minimum bytes / time, fraction of copy bandwidth (black: the goal)")
+    a1.grid(axis="x", alpha=0.3)
+    speed = [r["ref_us"] / min(r["graph_us"], r.get("eager_us", math.inf)) if "ref_us" in r else math.nan
+             for r in drawn]
+    a2.barh(y, speed, color="C2")
+    a2.axvline(1.0, color="k", lw=1.2)
+    a2.set_xscale("log")
+    a2.set_xlabel("speed-up over the eager torch reference (log; must exceed 1)")
+    a2.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"Decode-round kernels, q1 rank-emulation shard: {_title(env)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def step_parts(payload: dict) -> dict:
+    """{context: [(part, exposed ms), ...] largest first} of a bench_step.py --profile JSON."""
+    out = {}
+    for ctx, prof in sorted((payload.get("profiles") or {}).items(), key=lambda kv: int(kv[0])):
+        parts = [(name, p["exposed_us"] / 1e3) for name, p in prof["parts"].items()]
+        out[int(ctx)] = sorted(parts, key=lambda kv: -kv[1])
+    if not out:
+        raise SystemExit("the bench_step JSON has no profiles: run bench_step.py with --profile")
+    return out
+
+
+def plot_step(payload: dict, path: str) -> dict:
+    """step.png (see the module's doc); returns step_parts."""
+    plt = _pyplot()
+    parts = step_parts(payload)
+    graph = {(r["context"]): r for r in payload["rows"] if r.get("arm") == "fast-graph"}
+    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.6), squeeze=False)
+    for ax, (ctx, pts) in zip(axes[0], parts.items()):
+        names = [n for n, _ in pts][::-1]
+        ax.barh(range(len(pts)), [v for _, v in pts][::-1], color="C0")
+        ax.set_yticks(range(len(pts)))
+        ax.set_yticklabels(names, fontsize=8)
+        for i, (_, v) in enumerate(pts[::-1]):
+            ax.text(v, i, f" {v:.2f}", va="center", fontsize=7)
+        r = graph.get(ctx)
+        head = (f"graph {r['ms']:.2f} ms, floor {r['floor_ms']:.2f} ms ({r['frac_of_floor']:.3f})"
+                if r else "")
+        ax.set_title(f"q1 step at {ctx // 1024}K: {head}", fontsize=9)
+        ax.set_xlabel("critical path per part (exposed ms per step)")
+        ax.grid(axis="x", alpha=0.3)
+    env = payload.get("env", {})
+    fig.suptitle(f"Where the q1 step's time goes: {env.get('device', '?')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return parts
+
+
+def write_figures(rows: list[dict], env: dict, out: str) -> list[str]:
+    """attention.png (when the run timed full-cache attention) and kernels.png into ``out``."""
+    os.makedirs(out, exist_ok=True)
+    written = []
+    if attention_series(rows, env["copy_bw"]):
+        plot_attention(rows, env, os.path.join(out, "attention.png"))
+        written.append(os.path.join(out, "attention.png"))
+    plot_kernels(rows, env, os.path.join(out, "kernels.png"))
+    written.append(os.path.join(out, "kernels.png"))
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", help="bench_kernels.json, or the folder a run wrote it to ($OUT)")
+    ap.add_argument("--step", help="bench_step.json of a --profile run (or its folder): also step.png")
+    ap.add_argument("--out", help="folder for the figures (default: the JSON's folder)")
+    ap.add_argument("--no-figures", action="store_true", help="print the goals only")
+    args = ap.parse_args(argv)
+    payload, rows, f = load(args.kernels)
+    env = payload["env"]
+    print(f"{f}: {len(rows)} rows; {_title(env)}")
+    for line in attention_lines(rows, env["copy_bw"]):
+        print(line)
+    goals = goal_checks(rows)
+    print(goal_summary(goals))
+    if args.no_figures:
+        return 0 if all(g["ok"] for g in goals) else 1
+    out = args.out or os.path.dirname(os.path.abspath(f))
+    written = write_figures(rows, env, out)
+    if args.step:
+        step, _, _ = load(args.step, "bench_step")
+        plot_step(step, os.path.join(out, "step.png"))
+        written.append(os.path.join(out, "step.png"))
+    print("wrote " + ", ".join(written))
+    return 0 if all(g["ok"] for g in goals) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

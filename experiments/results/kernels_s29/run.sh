@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Session 29's device calls: bash experiments/results/kernels_s29/run.sh callN, with STEPS (any of
+# bench stepprof stepab report gtest) and STEPAB (bench_step --ab names) in the environment. Writes
+# under $OUT/callN: rev.txt (HEAD and the tree's changes), one log per step, the steps' results.
+set -u
+c=$OUT/$1; mkdir -p "$c"
+{ git rev-parse HEAD; git status --short; } > "$c/rev.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$c/rev.txt" 2>&1
+for s in ${STEPS:-bench}; do
+  t=$(date +%s)
+  case $s in
+    bench) OUT=$c/bench PYTHONUNBUFFERED=1 timeout ${BENCHTIMEOUT:-300} python3 experiments/bench_kernels.py --no-sweep > "$c/bench.log" 2>&1 ;;
+    stepprof) OUT=$c/stepprof PYTHONUNBUFFERED=1 timeout 200 python3 experiments/bench_step.py --budget-s 60 --no-mini --contexts 8192,65536 --profile > "$c/stepprof.log" 2>&1 ;;
+    stepab) OUT=$c/stepab PYTHONUNBUFFERED=1 timeout ${ABTIMEOUT:-300} python3 experiments/bench_step.py --budget-s ${ABBUDGET:-150} --no-mini --contexts 8192,65536 --ab $STEPAB > "$c/stepab.log" 2>&1 ;;
+    report) python3 experiments/kernel_report.py "$c/bench" --step "$c/stepprof" > "$c/report.log" 2>&1 ;;
+    gtest) timeout ${GTIMEOUT:-300} python3 -m pytest -q -m gpu -n 8 --dist loadfile ${GTESTS:-tests/kernels tests/test_fast_backend.py} > "$c/gtest.log" 2>&1 ;;
+  esac
+  echo "$s: exit $? in $(( $(date +%s) - t )) s" | tee -a "$c/steps.txt"
+done

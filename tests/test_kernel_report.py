@@ -1,0 +1,134 @@
+"""experiments/kernel_report.py on a real H200 run (session 28, call 8: the tree of the final runtime
+then) and on copies of it broken on purpose: the goals it calls, the figures it draws, its errors."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "experiments"))
+
+import kernel_report as K  # noqa: E402
+
+RUN = os.path.join(HERE, "..", "experiments", "results", "kernels_s28", "call8", "bench")
+STEP = os.path.join(HERE, "..", "experiments", "results", "kernels_s28", "call5", "stepb")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run():
+    payload, rows, _ = K.load(RUN)
+    return payload, rows
+
+
+def _row(rows, kernel, shape):
+    (r,) = [r for r in rows if r["kernel"] == kernel and r["shape"] == shape and r["variant"] == "default"]
+    return r
+
+
+def test_goals_of_the_recorded_run(run):
+    """The run's own printed verdict (bench.log: 35 PASS, 3 FAIL, the 64K rows) from its JSON."""
+    _, rows = run
+    goals = K.goal_checks(rows)
+    failed = [g["name"] for g in goals if not g["ok"]]
+    assert len(goals) == 38
+    assert failed == [f"attention full64K_w{w} >= 0.70" for w in (4, 6, 8)]
+    with open(os.path.join(RUN, "..", "bench.log")) as f:
+        log = f.read()
+    for g in goals:   # the log's last line lists every goal as "name: PASS|FAIL"
+        assert f"{g['name']}: {'PASS' if g['ok'] else 'FAIL'}" in log
+    assert K.goal_summary(goals).splitlines()[-1] == "35 PASS, 3 FAIL"
+
+
+def test_a_goal_fails_when_its_row_misses_it(run):
+    """Negative controls: the same run with 192K w = 8 at 0.69 of copy bandwidth, the MoE at 0.64, and
+    the sampler slower than its reference in both timings: each of those goals (and only those) fails."""
+    _, rows = run
+    bad = copy.deepcopy(rows)
+    _row(bad, "attention", "full192K_w8")["frac"] = 0.69
+    _row(bad, "moe", "H6144_I256_E128_w6_realistic38")["frac"] = 0.64
+    s = _row(bad, "sampler", "V20000_w8")
+    s["graph_us"] = s["eager_us"] = s["ref_us"] * 1.01
+    failed = {g["name"] for g in K.goal_checks(bad) if not g["ok"]}
+    assert failed == {f"attention full64K_w{w} >= 0.70" for w in (4, 6, 8)} | {
+        "attention full192K_w8 >= 0.70", "moe H6144_I256_E128_w6_realistic38 >= 0.65",
+        "sampler V20000_w8 faster than reference"}
+    # the eager time counts when it is the faster one (the reference is eager)
+    s["eager_us"] = s["ref_us"] * 0.5
+    assert "sampler V20000_w8 faster than reference" not in {g["name"] for g in K.goal_checks(bad) if not g["ok"]}
+
+
+def test_attention_series_are_the_rows_fractions(run):
+    payload, rows = run
+    bw = payload["env"]["copy_bw"]
+    series = K.attention_series(rows, bw)
+    assert sorted(series) == [4, 6, 8]
+    r = _row(rows, "attention", "full64K_w6")
+    s = series[6]
+    assert dict(s["attention (default)"])[65536] == r["frac"]
+    skel = dict(s["split + merge skeleton, no arithmetic"])[65536]
+    assert skel == pytest.approx(r["bytes"] / (r["skeleton_us"] * 1e-6) / bw)
+    # what the figure shows at 64K: the skeleton alone below the goal, the TMA reader above it
+    assert skel < K.ATTENTION_GOAL < dict(s["TMA reader (one launch, reads only)"])[65536]
+    assert [k for k, _ in s["attention (default)"]] == [4096, 16384, 65536, 196608]
+    # the ring rows and other variants are not drawn
+    assert all(len(pts) == 4 for pts in s.values())
+
+
+def test_attention_lines_name_the_goal_time(run):
+    payload, rows = run
+    lines = K.attention_lines(rows, payload["env"]["copy_bw"])
+    assert len(lines) == 6 and lines[1].startswith("attention full64K_w6: 15.30 us = 0.517")
+    need = _row(rows, "attention", "full64K_w6")["bytes"] / (0.70 * payload["env"]["copy_bw"]) * 1e6
+    assert f"the goal 0.70 is {need:.2f} us" in lines[1]
+
+
+def test_figures_and_command_line(run, tmp_path, capsys):
+    status = K.main([RUN, "--step", STEP, "--out", str(tmp_path)])
+    assert status == 1   # the run has failing goals
+    for name in ("attention.png", "kernels.png", "step.png"):
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == PNG
+    out = capsys.readouterr().out
+    assert "35 PASS, 3 FAIL" in out and "step.png" in out
+    parts = K.step_parts(K.load(STEP, "bench_step")[0])
+    assert [p for p, _ in parts[8192][:2]] == ["moe gate/up", "moe down"]
+    assert parts[8192][0][1] == pytest.approx(3.2728, abs=1e-3)
+
+
+def test_all_goals_met_exits_zero(run, tmp_path):
+    """The exit status follows the goals: the run with its 64K rows raised to the goal passes."""
+    payload, rows = run
+    fixed = copy.deepcopy(payload)
+    for w in (4, 6, 8):
+        _row(fixed["rows"], "attention", f"full64K_w{w}")["frac"] = 0.70
+    p = tmp_path / "bench_kernels.json"
+    p.write_text(json.dumps(fixed))
+    assert K.main([str(p), "--no-figures"]) == 0
+    assert K.main([RUN, "--no-figures"]) == 1
+
+
+@pytest.mark.parametrize("payload, says", [
+    ({"env": {"copy_bw": 4e12}, "rows": []}, "no 'rows'"),
+    ({"env": {}, "rows": [{"kernel": "norm"}]}, "env.copy_bw missing"),
+    ([1, 2], "no 'rows'"),
+])
+def test_bad_results_are_refused_with_a_reason(tmp_path, payload, says):
+    p = tmp_path / "bench_kernels.json"
+    p.write_text(json.dumps(payload))
+    with pytest.raises(SystemExit, match=says):
+        K.load(str(p))
+    with pytest.raises(SystemExit, match="no such file"):
+        K.load(str(tmp_path / "missing"))
+
+
+def test_step_json_without_profiles_is_refused(tmp_path):
+    p = tmp_path / "bench_step.json"
+    p.write_text(json.dumps({"rows": [{"arm": "fast-graph", "context": 8192, "ms": 1.0}]}))
+    payload, _, _ = K.load(str(p), "bench_step")
+    with pytest.raises(SystemExit, match="--profile"):
+        K.step_parts(payload)
