@@ -125,6 +125,11 @@ KV_FIRST = 1
 # completes (or is launched plainly), so they are complete once the kernel before this one has begun;
 # the rows at start_pos and after, which that kernel writes, are read after the wait.
 KV_BEFORE_WAIT = True
+# The partials' m and l stored by row (keyword ml_by_row, v2): ML [nkv, 2, BLOCK_M, splits] instead of
+# [nkv, splits, 2, BLOCK_M], so that a combine program reads its row's m (and l) of all splits in
+# ceil(splits / 8) 32-byte sectors instead of one sector per split (132 splits: 34 instead of 264 of
+# its ~792). The split then stores them 4 bytes at a time. Same values.
+ML_BY_ROW = False
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -245,15 +250,23 @@ def _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
 
 @triton.jit
 def _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
-                   m_i, l_i, acc, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A split's un-normalised partial (acc, m, l) for the valid packed rows."""
+                   m_i, l_i, acc, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ML_BY_ROW: tl.constexpr = False,
+                   NUM_SPLITS=1):
+    """A split's un-normalised partial (acc, m, l) for the valid packed rows. m and l go to ML
+    [nkv, splits, 2, BLOCK_M] (stride_mh, stride_ms), or with ``ML_BY_ROW`` to ML [nkv, 2, BLOCK_M,
+    NUM_SPLITS] (stride_mh): one row's m (and l) of every split side by side, as the combine reads them."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     acc_ptr = ACC + kvh * stride_ah + split * stride_as
     tl.store(acc_ptr + offs_m[:, None] * stride_am + offs_d[None, :], acc, mask=row_ok[:, None])
-    ml_ptr = ML + kvh * stride_mh + split * stride_ms
-    tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
-    tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
+    if ML_BY_ROW:
+        ml_ptr = ML + kvh * stride_mh + split
+        tl.store(ml_ptr + offs_m * NUM_SPLITS, m_i, mask=row_ok)
+        tl.store(ml_ptr + (BLOCK_M + offs_m) * NUM_SPLITS, l_i, mask=row_ok)
+    else:
+        ml_ptr = ML + kvh * stride_mh + split * stride_ms
+        tl.store(ml_ptr + offs_m, m_i, mask=row_ok)
+        tl.store(ml_ptr + BLOCK_M + offs_m, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -313,7 +326,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
                       stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, start, lo, seq_end,
                       b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr,
-                      KD, VD, TMA: tl.constexpr):
+                      KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1):
     """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
     below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
     it (all but the last one or two of the range) run a loop without masks, without the -inf
@@ -357,7 +370,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
         m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
                                       seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
     _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
-                   m_i, l_i, acc, BLOCK_M, HEAD_DIM)
+                   m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS)
 
 
 @triton.jit
@@ -383,6 +396,7 @@ def _attn_split_v2_kernel(
     MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
     KV_FIRST: tl.constexpr = 0, KV_BEFORE_WAIT: tl.constexpr = False, _EARLY_BUG: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -397,6 +411,7 @@ def _attn_split_v2_kernel(
     ``KV_FIRST`` (keyword ``kv_first``): a split of at most KV_FIRST key blocks (every split of a
     4K ring or an 8K cache) requests its first block's K and V before Q and runs every block with
     the masks: Q's round trip, which precedes the pipelined loop's first loads, overlaps the K/V one.
+    ``ML_BY_ROW``: the partials' m and l in the combine's order (see ``_store_partial``).
     ``TIMELINE``: diagnostic records into ``TL`` (see TIMELINE_FIELDS)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -446,14 +461,14 @@ def _attn_split_v2_kernel(
             m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
                                           lo, seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
         _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
-                       m_i, l_i, acc, BLOCK_M, HEAD_DIM)
+                       m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS)
     else:
         q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
         if b_begin < b_end:
             _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                               stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                               qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
-                              IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA)
+                              IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA, ML_BY_ROW, NUM_SPLITS)
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -468,11 +483,13 @@ def _attn_combine_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
     TL_BASE: tl.constexpr = 0, TRIGGER: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False,
 ):
     """Program (row, d-slice) merges the splits' partials of one packed row. ``ONE_LOAD`` (needs
     SUB_S == BLOCK_S): every partial's m, l and acc slice is requested at once after the wait, so
     the merge costs one L2 round trip; otherwise m and l first (den), then acc in SUB_S-split chunks
-    (m reloaded per chunk)."""
+    (m reloaded per chunk). ``ML_BY_ROW``: m and l in ``_store_partial``'s by-row layout (a row's
+    values of every split contiguous: 2 x ceil(splits / 8) sectors instead of 2 x splits)."""
     row = tl.program_id(0)
     dblk = tl.program_id(1)
     prog = TL_BASE + dblk * tl.num_programs(0) + row
@@ -492,13 +509,20 @@ def _attn_combine_kernel(
         gdc_wait()   # and visible past this point (start_pos was written before the split began)
     _stamp(TL, prog, 2, TIMELINE)
 
-    ml_ptr = ML + kvh * stride_mh + m_row
+    if ML_BY_ROW:   # [nkv, 2, BLOCK_M, NUM_SPLITS]
+        ml_ptr = ML + kvh * stride_mh + m_row * NUM_SPLITS
+        step_s = 1
+        l_off = BLOCK_M * NUM_SPLITS
+    else:   # [nkv, NUM_SPLITS, 2, BLOCK_M]
+        ml_ptr = ML + kvh * stride_mh + m_row
+        step_s = stride_ms
+        l_off = BLOCK_M
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < n_active
     offs_d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
     acc_ptr = ACC + kvh * stride_ah + m_row * stride_am
-    m_s = tl.load(ml_ptr + offs_s * stride_ms, mask=s_ok, other=_NEG_BIG)
-    l_s = tl.load(ml_ptr + offs_s * stride_ms + BLOCK_M, mask=s_ok, other=0.0)
+    m_s = tl.load(ml_ptr + offs_s * step_s, mask=s_ok, other=_NEG_BIG)
+    l_s = tl.load(ml_ptr + offs_s * step_s + l_off, mask=s_ok, other=0.0)
     if ONE_LOAD:
         part = tl.load(acc_ptr + offs_s[:, None] * stride_as + offs_d[None, :], mask=s_ok[:, None],
                        other=0.0)
@@ -518,7 +542,7 @@ def _attn_combine_kernel(
         for s0 in range(0, n_active, SUB_S):
             sub = s0 + tl.arange(0, SUB_S)
             ok = sub < n_active
-            wgt = tl.exp2(tl.load(ml_ptr + sub * stride_ms, mask=ok, other=_NEG_BIG) - m_all)
+            wgt = tl.exp2(tl.load(ml_ptr + sub * step_s, mask=ok, other=_NEG_BIG) - m_all)
             part = tl.load(acc_ptr + sub[:, None] * stride_as + offs_d[None, :], mask=ok[:, None],
                            other=0.0)
             num += tl.sum(wgt[:, None] * part, 0)
@@ -650,7 +674,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             _drop_last=False,
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
-            kv_first=None, kv_before_wait=None, _early_bug=False):
+            kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -685,8 +709,11 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     block_n = BLOCK_N if block_n is None else block_n
     variant = VARIANT if variant is None else variant
     check(variant in VARIANTS, f"variant {variant!r}: one of {VARIANTS}")
+    ml_by_row = ML_BY_ROW if ml_by_row is None else bool(ml_by_row)
+    check(not ml_by_row or variant == "v2", "ml_by_row: v2 only")
     acc = torch.empty((nkv, num_splits, block_m, d), device=q.device, dtype=torch.float32)
-    ml = torch.empty((nkv, num_splits, 2, block_m), device=q.device, dtype=torch.float32)
+    ml = torch.empty((nkv, 2, block_m, num_splits) if ml_by_row else (nkv, num_splits, 2, block_m),
+                     device=q.device, dtype=torch.float32)
     qk_scale_log2 = _LOG2E / math.sqrt(d)
     if variant == "fused":
         cnt = _fused_counters(q.device, nkv, workspace)
@@ -737,7 +764,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
                                                         KV_FIRST=KV_FIRST if kv_first is None else int(kv_first),
                                                         KV_BEFORE_WAIT=(pdl and KV_BEFORE_WAIT) if kv_before_wait is None
                                                         else bool(kv_before_wait),
-                                                        _EARLY_BUG=bool(_early_bug)))
+                                                        _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -761,19 +788,26 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     _combine(acc, ml, sinks, out, start_pos, tl_buf, w=w, ring=ring, window=window, block_n=block_n,
              block_d=block_d, combine_block_s=combine_block_s, pdl=pdl, wait=not _pdl_no_wait,
              tl_base=num_splits * nkv if timeline else None, trigger=bool(_combine_trigger),
-             one_load=combine_one_load, num_warps=combine_num_warps)
+             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug)
     return out
 
 
 def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, block_n, block_d=None,
-             combine_block_s=None, pdl, wait=True, tl_base=None, trigger=False, one_load=None, num_warps=None):
+             combine_block_s=None, pdl, wait=True, tl_base=None, trigger=False, one_load=None, num_warps=None,
+             ml_by_row=False, _ml_bug=False):
     """The combine launch over partials ``acc`` [nkv, splits, block_m, d] / ``ml`` [nkv, splits, 2,
-    block_m] (the split kernels' layout) into ``out`` [w, nh, d]; ``pdl``: as a programmatic
+    block_m] (the split kernels' layout; ``ml_by_row``: [nkv, 2, block_m, splits]) into ``out`` [w, nh,
+    d]; ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``: as a programmatic
     dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
     ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline). The
     options left None take the module's COMBINE_* defaults."""
     nkv, num_splits, block_m, d = acc.shape
     nh = out.shape[1]
+    check(ml.shape == ((nkv, 2, block_m, num_splits) if ml_by_row else (nkv, num_splits, 2, block_m)) and ml.is_contiguous(),
+          f"ml {tuple(ml.shape)}: the layout ml_by_row={ml_by_row} names, contiguous")
+    if _ml_bug:
+        check(ml_by_row, "_ml_bug: with ml_by_row")
+        ml, ml_by_row = ml.view(nkv, num_splits, 2, block_m), False
     block_d = min(COMBINE_BLOCK_D if block_d is None else block_d, d)
     block_s = max(16, next_pow2(num_splits))
     sub_s = min(COMBINE_BLOCK_S if combine_block_s is None else combine_block_s, block_s)
@@ -787,7 +821,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s,
         SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and wait, TIMELINE=tl_base is not None,
         ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if one_load is None else bool(one_load)),
-        TL_BASE=tl_base or 0, TRIGGER=pdl and trigger,
+        TL_BASE=tl_base or 0, TRIGGER=pdl and trigger, ML_BY_ROW=bool(ml_by_row),
         num_warps=COMBINE_NUM_WARPS if num_warps is None else int(num_warps),
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -796,7 +830,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -820,19 +854,21 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     ``kv_before_wait`` (v2): such a split reads a first block that lies wholly below start_pos before
     its wait (None: KV_BEFORE_WAIT with PDL, off without), so rows below start_pos must not be written
     by a kernel that may still run when the call's predecessor begins. ``block_n`` / ``num_stages``:
-    keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES).
+    keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES). ``ml_by_row`` (v2):
+    the partials' m and l stored in the combine's order (None: ML_BY_ROW); the same values.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
-                   kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages)
+                   kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
+                   ml_by_row=ml_by_row)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -842,7 +878,8 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
-                   kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages)
+                   kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
+                   ml_by_row=ml_by_row)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -133,7 +133,7 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
 
 V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
               dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8),
-              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0)]
+              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=True)]
 
 
 @pytest.mark.gpu
@@ -429,9 +429,10 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 @cpu_only
 @pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
                                   dict(kv_first=1), dict(kv_first=4), dict(kv_first=0),
-                                  dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False)],
+                                  dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False),
+                                  dict(ml_by_row=True), dict(ml_by_row=True, combine_one_load=False)],
                          ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0",
-                              "kv_before_wait", "kv_after_wait"])
+                              "kv_before_wait", "kv_after_wait", "ml_by_row", "ml_by_row_two_loads"])
 def test_interp_v2_options(opts):
     """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine, the short
     splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full
@@ -444,6 +445,37 @@ def test_interp_v2_options(opts):
     assert run_ring(A, MINI, 6, 1300, seed=4, **kw) < TOL
     no_sink = torch.full((MINI["nh"],), float("-inf"))
     assert run_full(A, MINI, 8, 700, seed=3, sinks_override=no_sink, **kw) > TOL
+
+
+def _ml_by_row_same_bits(A, shape, dev, seed):
+    """The v2 call's output with the partials' m / l stored by row, against the default layout: the
+    same bits (full and ring, several splits, short and long ranges); the negative control, the combine
+    reading the by-row buffer in the other layout, is far off."""
+    common = dict(num_splits=5, variant="v2")
+    for ring, start in ((False, 900), (False, 40), (True, 1300)):
+        if ring:
+            q, hk, hv, k, v, sinks = make_ring(6, shape["nh"], shape["nkv"], shape["d"], start, shape["window"],
+                                                shape["window"] + 64, seed)
+        else:
+            q, k, v, sinks = make_full(6, shape["nh"], shape["nkv"], shape["d"], start, seed)
+        outs = []
+        for kw in (dict(ml_by_row=False), dict(ml_by_row=True), dict(ml_by_row=True, _ml_bug=True)):
+            out = torch.full_like(q, float("nan"))
+            A._launch(q, k, v, _start(start, dev), sinks, out, ring=ring, window=shape["window"] if ring else 0,
+                      **common, **kw)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert not torch.allclose(outs[0].float(), outs[2].float(), rtol=0.1, atol=0.1, equal_nan=False)
+
+
+@pytest.mark.gpu
+def test_ml_by_row_same_bits_q1():
+    _ml_by_row_same_bits(load_kernels("attention"), Q1, "cuda", seed=11)
+
+
+@cpu_only
+def test_interp_ml_by_row_same_bits():
+    _ml_by_row_same_bits(load_kernels("attention"), MINI, "cpu", seed=12)
 
 
 @cpu_only
