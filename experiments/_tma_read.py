@@ -89,20 +89,22 @@ if gluon is not None:
 
     @gluon.jit
     def _tma_stream_merge_kernel(k_desc, v_desc, ACC, ML, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 BLOCK_M: gl.constexpr):
+                                 BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False):
         """``_tma_stream_kernel``, releasing its programmatic dependent (the combine) at its start as the
         v2 split does, then storing a partial in the split kernels' layout (ACC [NPROG, BLOCK_M, D]
-        zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1): a split + merge call with no arithmetic."""
+        zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1; ``BY_ROW``: ML [2, BLOCK_M, NPROG], the
+        attention's ML_BY_ROW): a split + merge call with no arithmetic."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
         pid = gl.program_id(0)
         _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES)
-        _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1)
+        _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1, BY_ROW, NPROG)
 
     @gluon.jit
     def _store_partial(ACC, ML, pid, D: gl.constexpr, BLOCK_M: gl.constexpr, VALUE: gl.constexpr,
-                       WARPS: gl.constexpr):
-        """Program pid's partial in the split kernels' layout: acc = VALUE, m = 0, l = 1."""
+                       WARPS: gl.constexpr, BY_ROW: gl.constexpr = False, NPROG=1):
+        """Program pid's partial in the split kernels' layout: acc = VALUE, m = 0, l = 1 (``BY_ROW``: m
+        and l by row, ML [2, BLOCK_M, NPROG])."""
         lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
         rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
@@ -111,8 +113,12 @@ if gluon is not None:
                      gl.full([16, D], VALUE, gl.float32, lay))
         lay1: gl.constexpr = gl.BlockedLayout([2], [32], [WARPS], [0])
         i = gl.arange(0, BLOCK_M, layout=lay1)
-        gl.store(ML + pid * 2 * BLOCK_M + i, gl.zeros([BLOCK_M], gl.float32, lay1))
-        gl.store(ML + pid * 2 * BLOCK_M + BLOCK_M + i, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
+        if BY_ROW:
+            gl.store(ML + i * NPROG + pid, gl.zeros([BLOCK_M], gl.float32, lay1))
+            gl.store(ML + (BLOCK_M + i) * NPROG + pid, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
+        else:
+            gl.store(ML + pid * 2 * BLOCK_M + i, gl.zeros([BLOCK_M], gl.float32, lay1))
+            gl.store(ML + pid * 2 * BLOCK_M + BLOCK_M + i, gl.full([BLOCK_M], 1.0, gl.float32, lay1))
 
     @gluon.jit
     def _tma_stream_barrier_kernel(k_desc, v_desc, ACC, ML, OUT, CNT, START, W, NPROG, NROWS,
@@ -233,26 +239,30 @@ def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
     return call
 
 
-def _partials(q, grid):
-    """(block_m, acc [1, grid, block_m, d], ml [1, grid, 2, block_m]): the split kernels' partial
-    buffers for one KV head and ``grid`` programs."""
+def _partials(q, grid, by_row=False):
+    """(block_m, acc [1, grid, block_m, d], ml [1, grid, 2, block_m] or, ``by_row``, [1, 2, block_m,
+    grid]): the split kernels' partial buffers for one KV head and ``grid`` programs."""
     from runtime.kernels import attention as A
 
     w, nh, d = q.shape
     block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * nh))
     return (block_m, torch.empty((1, grid, block_m, d), device=q.device, dtype=torch.float32),
-            torch.empty((1, grid, 2, block_m), device=q.device, dtype=torch.float32))
+            torch.empty((1, 2, block_m, grid) if by_row else (1, grid, 2, block_m), device=q.device,
+                        dtype=torch.float32))
 
 
 def _merge_call(kd, vd, q, sp, out, grid, bn, stages):
-    """One ``tmasm`` call: the stream with its partials, then the attention's combine over them."""
+    """One ``tmasm`` call: the stream with its partials, then the attention's combine over them (in the
+    runtime's default layout of m and l, attention.ML_BY_ROW)."""
     from runtime.kernels import attention as A
 
     w = q.shape[0]
-    block_m, acc, ml = _partials(q, grid)
+    by_row = bool(A.ML_BY_ROW)
+    block_m, acc, ml = _partials(q, grid, by_row)
 
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
-                                          num_warps=1)
-        A._combine(acc, ml, None, out, sp, w=w, ring=False, window=0, block_n=A.BLOCK_N, pdl=True)
+                                          BY_ROW=by_row, num_warps=1)
+        A._combine(acc, ml, None, out, sp, w=w, ring=False, window=0, block_n=A.BLOCK_N, pdl=True,
+                   ml_by_row=by_row)
     return call

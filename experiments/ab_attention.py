@@ -155,9 +155,10 @@ CONFIGS = {
     # (the split), so the combine's blocks cannot join an SM that still runs a split
     "carve_all100": dict(_carve=((None, 100),)),
     "carve_comb100": dict(_carve=((["_attn_combine_kernel"], 100),)),
-    # session 29: the partials' m and l stored by row (attention.ML_BY_ROW), so each combine program
-    # reads 34 sectors of them instead of 264 (132 splits); the same values
+    # session 29: the partials' m and l stored by row (attention.ML_BY_ROW, the default since), so each
+    # combine program reads 34 sectors of them instead of 264 (132 splits) / by split (the layout before)
     "ml_by_row": dict(ml_by_row=True),
+    "ml_by_split": dict(ml_by_row=False),
     **{p: None for p in PROBES},
 }
 

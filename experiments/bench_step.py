@@ -511,8 +511,10 @@ AB_VARIANTS = {
     # keep the default stages, 2 since session 28)
     **{f"moe_red{n}": (lambda rnd, n=n: _moe_opts(rnd, red_block_h=n)) for n in (128, 512)},
     **{f"moe_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, down_nb=n)) for n in (4, 5, 8)},
-    # the attention partials' m and l stored by row for the combine (attention ml_by_row, session 29)
+    # the attention partials' m and l stored by row for the combine (attention ml_by_row, the default
+    # since session 29) / by split (the layout before)
     "attn_ml_by_row": lambda rnd: _attn_opts(rnd, ml_by_row=True),
+    "attn_ml_by_split": lambda rnd: _attn_opts(rnd, ml_by_row=False),
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
     **{f"attn_ns{n}": (lambda rnd, n=n: _attn_opts(rnd, num_splits=n)) for n in (66, 264)},
     # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):

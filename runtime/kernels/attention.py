@@ -128,8 +128,11 @@ KV_BEFORE_WAIT = True
 # The partials' m and l stored by row (keyword ml_by_row, v2): ML [nkv, 2, BLOCK_M, splits] instead of
 # [nkv, splits, 2, BLOCK_M], so that a combine program reads its row's m (and l) of all splits in
 # ceil(splits / 8) 32-byte sectors instead of one sector per split (132 splits: 34 instead of 264 of
-# its ~792). The split then stores them 4 bytes at a time. Same values.
-ML_BY_ROW = False
+# its ~792). The split then stores them 4 bytes at a time. Same values. Session 29 (H200,
+# ab_attention.py, 30 paired rounds, w = 6 / 8): 16K 0.954 / 0.969, 64K 0.973 / 0.969, 192K 0.988 /
+# 0.990 of the old layout's time (0.3-0.5 us per call; A/A 0.998-1.007); q1 step 0.9971 (8K) / 0.9991
+# (64K) (call 2).
+ML_BY_ROW = True
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -709,7 +712,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     block_n = BLOCK_N if block_n is None else block_n
     variant = VARIANT if variant is None else variant
     check(variant in VARIANTS, f"variant {variant!r}: one of {VARIANTS}")
-    ml_by_row = ML_BY_ROW if ml_by_row is None else bool(ml_by_row)
+    ml_by_row = (ML_BY_ROW and variant == "v2") if ml_by_row is None else bool(ml_by_row)
     check(not ml_by_row or variant == "v2", "ml_by_row: v2 only")
     acc = torch.empty((nkv, num_splits, block_m, d), device=q.device, dtype=torch.float32)
     ml = torch.empty((nkv, 2, block_m, num_splits) if ml_by_row else (nkv, num_splits, 2, block_m),
@@ -855,7 +858,8 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     its wait (None: KV_BEFORE_WAIT with PDL, off without), so rows below start_pos must not be written
     by a kernel that may still run when the call's predecessor begins. ``block_n`` / ``num_stages``:
     keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES). ``ml_by_row`` (v2):
-    the partials' m and l stored in the combine's order (None: ML_BY_ROW); the same values.
+    the partials' m and l stored in the combine's order (None: ML_BY_ROW; False: by split, the layout
+    before session 29); the same values.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,

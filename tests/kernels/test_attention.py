@@ -133,7 +133,7 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
 
 V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
               dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8),
-              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=True)]
+              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False)]
 
 
 @pytest.mark.gpu
@@ -430,9 +430,9 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 @pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
                                   dict(kv_first=1), dict(kv_first=4), dict(kv_first=0),
                                   dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False),
-                                  dict(ml_by_row=True), dict(ml_by_row=True, combine_one_load=False)],
+                                  dict(ml_by_row=False), dict(ml_by_row=False, combine_one_load=False)],
                          ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0",
-                              "kv_before_wait", "kv_after_wait", "ml_by_row", "ml_by_row_two_loads"])
+                              "kv_before_wait", "kv_after_wait", "ml_by_split", "ml_by_split_two_loads"])
 def test_interp_v2_options(opts):
     """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine, the short
     splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full

@@ -13,7 +13,7 @@ for s in ${STEPS:-bench}; do
     bench) OUT=$c/bench PYTHONUNBUFFERED=1 timeout ${BENCHTIMEOUT:-300} python3 experiments/bench_kernels.py --no-sweep > "$c/bench.log" 2>&1 ;;
     stepprof) OUT=$c/stepprof PYTHONUNBUFFERED=1 timeout 200 python3 experiments/bench_step.py --budget-s 60 --no-mini --contexts 8192,65536 --profile > "$c/stepprof.log" 2>&1 ;;
     stepab) OUT=$c/stepab PYTHONUNBUFFERED=1 timeout ${ABTIMEOUT:-300} python3 experiments/bench_step.py --budget-s ${ABBUDGET:-150} --no-mini --contexts 8192,65536 --ab $STEPAB > "$c/stepab.log" 2>&1 ;;
-    ab) OUT=$c/ab PYTHONUNBUFFERED=1 timeout ${ABATIMEOUT:-300} python3 experiments/ab_attention.py --configs $ABCONF --contexts ${CTX:-16384,65536,196608} --widths ${WIDTHS:-6,8} --rounds 30 > "$c/ab.log" 2>&1 ;;
+    ab) OUT=$c/ab PYTHONUNBUFFERED=1 timeout ${ABATIMEOUT:-300} python3 experiments/ab_attention.py --configs $ABCONF --contexts ${CTX:-16384,65536,196608} --widths ${WIDTHS:-6,8} --rounds ${ROUNDS:-30} > "$c/ab.log" 2>&1 ;;
     report) python3 experiments/kernel_report.py "$c/bench" --step "$c/stepprof" > "$c/report.log" 2>&1 ;;
     gtest) timeout ${GTIMEOUT:-300} python3 -m pytest -q -m gpu -n 8 --dist loadfile ${GTESTS:-tests/kernels tests/test_fast_backend.py} > "$c/gtest.log" 2>&1 ;;
   esac
