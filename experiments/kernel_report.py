@@ -130,6 +130,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, title: str, path: str) -> None:
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _title(env: dict) -> str:
     return (f"{env.get('device', '?')}, copy {env.get('copy_bw', math.nan) / 1e12:.2f} TB/s, "
             f"{env.get('time', '')}")
@@ -161,14 +168,11 @@ def plot_attention(rows: list[dict], env: dict, path: str) -> dict:
         ax.set_xticklabels([f"{k // 1024}K" for k, _ in s["attention (default)"]])
         ax.set_ylim(0, 1.0)
         ax.grid(alpha=0.3)
-        ax.set_title(f"w = {w} ({6 * w} packed query rows)")
+        ax.set_title(f"w = {w} live rows")
         ax.set_xlabel("keys (context)")
     axes[0][0].set_ylabel("KV bytes / time, fraction of copy bandwidth")
     axes[0][-1].legend(fontsize=7.5, loc="lower right")
-    fig.suptitle(f"Full-cache decode attention against its floors: {_title(env)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, f"Full-cache decode attention against its floors: {_title(env)}", path)
     return series
 
 
@@ -200,10 +204,7 @@ def plot_kernels(rows: list[dict], env: dict, path: str) -> list[dict]:
     a2.set_xscale("log")
     a2.set_xlabel("speed-up over the eager torch reference (log; must exceed 1)")
     a2.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"Decode-round kernels, q1 rank-emulation shard: {_title(env)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, f"Decode-round kernels, q1 rank-emulation shard: {_title(env)}", path)
     return drawn
 
 
@@ -237,11 +238,7 @@ def plot_step(payload: dict, path: str) -> dict:
         ax.set_title(f"q1 step at {ctx // 1024}K: {head}", fontsize=9)
         ax.set_xlabel("critical path per part (exposed ms per step)")
         ax.grid(axis="x", alpha=0.3)
-    env = payload.get("env", {})
-    fig.suptitle(f"Where the q1 step's time goes: {env.get('device', '?')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, f"Where the q1 step's time goes: {payload.get('env', {}).get('device', '?')}", path)
     return parts
 
 
