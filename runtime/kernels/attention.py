@@ -128,10 +128,10 @@ KV_BEFORE_WAIT = True
 # The partials' m and l stored by row (keyword ml_by_row, v2): ML [nkv, 2, BLOCK_M, splits] instead of
 # [nkv, splits, 2, BLOCK_M], so that a combine program reads its row's m (and l) of all splits in
 # ceil(splits / 8) 32-byte sectors instead of one sector per split (132 splits: 34 instead of 264 of
-# its ~792). The split then stores them 4 bytes at a time. Same values. Session 29 (H200,
-# ab_attention.py, 30 paired rounds, w = 6 / 8): 16K 0.954 / 0.969, 64K 0.973 / 0.969, 192K 0.988 /
-# 0.990 of the old layout's time (0.3-0.5 us per call; A/A 0.998-1.007); q1 step 0.9971 (8K) / 0.9991
-# (64K) (call 2).
+# its ~792). The split then stores them 4 bytes at a time. Same values. Session 29 (H200, call 3): the
+# old layout took 1.042 / 1.032 of this one's time at 4K (w = 6 / 8), 16K 1.051 / 1.032, 64K 1.032 /
+# 1.028, 192K 1.009 / 1.006 (ab_attention.py, 100 paired rounds; A/A 0.995-1.004), 0.25-0.5 us per
+# call; the q1 step 1.0012 (8K) / 1.0030 (64K) (bench_step.py --ab attn_ml_by_split; A/A 0.9992 / 1.0012).
 ML_BY_ROW = True
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
