@@ -47,6 +47,7 @@ CONFIGS = {
     "tma_st6": dict(tma=True, num_stages=6),
     "st5": dict(num_stages=5),
     "default_again": {},
+    "ml_by_split": dict(ml_by_row=False),   # the partials' m and l in the layout before session 29
     "cnw1_cd8": dict(combine_num_warps=1, combine_block_d=8),
     "cnw2_cd16": dict(combine_num_warps=2, combine_block_d=16),
     "cnw8": dict(combine_num_warps=8),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 29's device calls: bash experiments/results/kernels_s29/run.sh callN, with STEPS (any of
-# bench stepprof stepab ab report gtest), STEPAB (bench_step --ab names), ABCONF (ab_attention configs)
-# and GTESTS (pytest arguments) in the environment. Writes
+# bench stepprof stepab ab tl report gtest), STEPAB (bench_step --ab names), ABCONF (ab_attention configs),
+# TLCONF (timeline_attention configs) and GTESTS (pytest arguments) in the environment. Writes
 # under $OUT/callN: rev.txt (HEAD and the tree's changes), one log per step, the steps' results.
 set -u
 c=$OUT/$1; mkdir -p "$c"
@@ -14,6 +14,7 @@ for s in ${STEPS:-bench}; do
     stepprof) OUT=$c/stepprof PYTHONUNBUFFERED=1 timeout 200 python3 experiments/bench_step.py --budget-s 60 --no-mini --contexts 8192,65536 --profile > "$c/stepprof.log" 2>&1 ;;
     stepab) OUT=$c/stepab PYTHONUNBUFFERED=1 timeout ${ABTIMEOUT:-300} python3 experiments/bench_step.py --budget-s ${ABBUDGET:-150} --no-mini --contexts 8192,65536 --ab $STEPAB > "$c/stepab.log" 2>&1 ;;
     ab) OUT=$c/ab PYTHONUNBUFFERED=1 timeout ${ABATIMEOUT:-300} python3 experiments/ab_attention.py --configs $ABCONF --contexts ${CTX:-16384,65536,196608} --widths ${WIDTHS:-6,8} --rounds ${ROUNDS:-30} > "$c/ab.log" 2>&1 ;;
+    tl) OUT=$c/tl PYTHONUNBUFFERED=1 timeout 300 python3 experiments/timeline_attention.py --contexts ${CTX:-65536,196608} --configs $TLCONF > "$c/tl.log" 2>&1 ;;
     report) python3 experiments/kernel_report.py "$c/bench" --step "$c/stepprof" > "$c/report.log" 2>&1 ;;
     gtest) timeout ${GTIMEOUT:-300} python3 -m pytest -q -m gpu -n 8 --dist loadfile ${GTESTS:-tests/kernels tests/test_fast_backend.py} > "$c/gtest.log" 2>&1 ;;
   esac
