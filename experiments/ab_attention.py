@@ -159,6 +159,12 @@ CONFIGS = {
     # combine program reads 34 sectors of them instead of 264 (132 splits) / by split (the layout before)
     "ml_by_row": dict(ml_by_row=True),
     "ml_by_split": dict(ml_by_row=False),
+    # with m / l cheap to read, the combine's columns per program (default COMBINE_BLOCK_D = 32) and
+    # warps (COMBINE_NUM_WARPS = 2) again
+    "cd16": dict(combine_block_d=16),
+    "cd64": dict(combine_block_d=64),
+    "cd64_cnw4": dict(combine_block_d=64, combine_num_warps=4),
+    "cd128_cnw4": dict(combine_block_d=128, combine_num_warps=4),
     **{p: None for p in PROBES},
 }
 
