@@ -448,9 +448,9 @@ def test_interp_v2_options(opts):
 
 
 def _ml_by_row_same_bits(A, shape, dev, seed):
-    """The v2 call's output with the partials' m / l stored by row, against the default layout: the
-    same bits (full and ring, several splits, short and long ranges); the negative control, the combine
-    reading the by-row buffer in the other layout, is far off."""
+    """The v2 call's output with the partials' m / l stored by row, against the layout by split: the
+    same bits (full and ring, several splits, short and long ranges), right against the reference; the
+    negative control, the combine reading the by-row buffer in the other layout, is far off."""
     common = dict(num_splits=5, variant="v2")
     for ring, start in ((False, 900), (False, 40), (True, 1300)):
         if ring:
@@ -465,6 +465,9 @@ def _ml_by_row_same_bits(A, shape, dev, seed):
                       **common, **kw)
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
+        ref = (A.attention_reference(q, hk, hv, start, sinks, window=shape["window"]) if ring
+               else A.attention_reference(q, k, v, start, sinks))
+        assert max_row_rel_err(outs[1], ref) < TOL
         assert not torch.allclose(outs[0].float(), outs[2].float(), rtol=0.1, atol=0.1, equal_nan=False)
 
 
@@ -476,6 +479,8 @@ def test_ml_by_row_same_bits_q1():
 @cpu_only
 def test_interp_ml_by_row_same_bits():
     _ml_by_row_same_bits(load_kernels("attention"), MINI, "cpu", seed=12)
+    # two KV heads (3 query heads each): the per-head offset of the by-row layout
+    _ml_by_row_same_bits(load_kernels("attention"), dict(MINI, nkv=2), "cpu", seed=13)
 
 
 @cpu_only
