@@ -1,7 +1,7 @@
 """The issue-7 goals, and figures, from the kernel benchmarks' raw results, on any machine (no GPU).
 
-    python3 experiments/kernel_report.py experiments/results/kernels_s28/call8/bench \\
-        --step experiments/results/kernels_s28/call5/stepb --out /tmp/report
+    python3 experiments/kernel_report.py experiments/results/kernels_s29/call4/bench \\
+        --step experiments/results/kernels_s29/call4/stepprof --out /tmp/report
 
 Reads a ``bench_kernels.json`` (a file, or the folder ``OUT=... bench_kernels.py`` wrote it to) and
 prints every goal of the issue with PASS / FAIL, then writes (into ``--out``, default: beside the
