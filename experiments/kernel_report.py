@@ -17,8 +17,9 @@ JSON):
 * ``step.png`` (with ``--step``, a ``bench_step.py --profile`` JSON or its folder): the q1 step's
   critical path per part, per context, beside the step's graph time and its floor.
 
-Exit status 1 when any goal fails. ``bench_kernels.py`` prints its goals through ``goal_checks`` and ``attention_lines`` and writes the
-first two figures itself. Nothing here imports torch; matplotlib only when drawing.
+Exit status 1 when any goal fails. ``bench_kernels.py`` prints its goals through ``goal_checks`` and
+``attention_lines`` and writes the first two figures itself. Nothing here imports torch; matplotlib
+only when drawing.
 """
 from __future__ import annotations
 
@@ -255,7 +256,7 @@ def write_figures(rows: list[dict], env: dict, out: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", help="bench_kernels.json, or the folder a run wrote it to ($OUT)")
     ap.add_argument("--step", help="bench_step.json of a --profile run (or its folder): also step.png")
