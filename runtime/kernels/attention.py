@@ -800,14 +800,14 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
              ml_by_row=False, _ml_bug=False):
     """The combine launch over partials ``acc`` [nkv, splits, block_m, d] / ``ml`` [nkv, splits, 2,
     block_m] (the split kernels' layout; ``ml_by_row``: [nkv, 2, block_m, splits]) into ``out`` [w, nh,
-    d]; ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``: as a programmatic
-    dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
+    d]; ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``:
+    as a programmatic dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
     ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline). The
     options left None take the module's COMBINE_* defaults."""
     nkv, num_splits, block_m, d = acc.shape
     nh = out.shape[1]
-    check(ml.shape == ((nkv, 2, block_m, num_splits) if ml_by_row else (nkv, num_splits, 2, block_m)) and ml.is_contiguous(),
-          f"ml {tuple(ml.shape)}: the layout ml_by_row={ml_by_row} names, contiguous")
+    want = (nkv, 2, block_m, num_splits) if ml_by_row else (nkv, num_splits, 2, block_m)
+    check(ml.shape == want and ml.is_contiguous(), f"ml {tuple(ml.shape)}: contiguous {want} (ml_by_row={ml_by_row})")
     if _ml_bug:
         check(ml_by_row, "_ml_bug: with ml_by_row")
         ml, ml_by_row = ml.view(nkv, num_splits, 2, block_m), False
