@@ -22,7 +22,7 @@ For every kernel and shape it prints and records:
   skeleton_us, that TMA stream storing a partial per program with the runtime's own combine launch
   over them (the split + merge design with no arithmetic; ``_tma_read.tmasm1_128_s3``), of_skeleton.
 Full results go to $OUT/bench_kernels.json and .csv when OUT is set, with the figures of
-``kernel_report.py`` (attention.png, kernels.png); a short table comes last, then every goal of the
+``kernel_report.py`` (attention.png, attention_model.png, kernels.png); a short table comes last, then every goal of the
 issue with PASS / FAIL (``kernel_report.goal_checks``; ``kernel_report.py`` re-reads a saved run).
 
 ``--dry-run`` runs the whole script on the CPU at toy shapes through the Triton interpreter, with
@@ -657,7 +657,7 @@ def main():
               f"{r['frac']:6.3f} {r.get('eager_us', float('nan')):9.2f} "
               f"{r.get('ref_us', float('nan')):9.1f} {r.get('ref_frac', float('nan')):8.4f} "
               f"{r['bytes'] / 1e6:8.2f}")
-    for line in kernel_report.attention_lines(ROWS, copy_bw):
+    for line in kernel_report.attention_lines(ROWS, copy_bw) + kernel_report.model_lines(ROWS, copy_bw):
         print(line)
     print(kernel_report.goal_summary(kernel_report.goal_checks(ROWS)))
     out = os.environ.get("OUT")

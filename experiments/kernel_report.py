@@ -14,6 +14,11 @@ JSON):
   goal (0.70) as a line at the contexts it applies to (64K, 192K);
 * ``kernels.png``: every kernel shape's fraction of copy bandwidth (its goal where it has one) and its
   speed-up over the eager torch reference;
+* ``attention_model.png``: per width, each of those series' time against the bytes it reads, with
+  the straight line ``t = f + bytes / B`` fitted over the contexts from 16K up (``attention_model``):
+  ``f`` is what a call costs whatever it reads (launches, ramp, partials, merge), ``B`` the rate it
+  streams at. The goal at 64K is a point on that plane; the lines say which fixed cost and which rate
+  a design would need to reach it;
 * ``step.png`` (with ``--step``, a ``bench_step.py --profile`` JSON or its folder): the q1 step's
   critical path per part, per context, beside the step's graph time and its floor.
 
@@ -37,6 +42,7 @@ FLOORS = (("skeleton_us", "split + merge skeleton, no arithmetic"),
           ("read_floor_tma_us", "TMA reader (one launch, reads only)"),
           ("read_floor_us", "register reader (one launch, reads only)"),
           ("copy_same_us", "torch copy of the K rows"))
+FLOOR_COLORS = ("C0", "C1", "C2", "C4")   # C3 is the kernel's
 
 
 def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
@@ -105,6 +111,114 @@ def attention_lines(rows: list[dict], copy_bw: float) -> list[str]:
     return out
 
 
+MODEL_MIN_KEYS = 16384     # the fixed-cost model's smallest context: below it the grid is not filled
+MODEL_SERIES = (("graph_us", "attention (default)"),) + FLOORS
+
+
+def attention_model(rows: list[dict]) -> dict:
+    """{width: {label: {f_us, rate, points}}}: per series (the kernel and each floor measured beside
+    it), the least-squares line t = f + bytes / rate over the full-cache contexts of at least
+    MODEL_MIN_KEYS keys (at least two of them); rate in bytes per second, points [(bytes, us)]."""
+    out: dict = {}
+    for r in _defaults(rows):
+        if r["kernel"] != "attention" or not r["shape"].startswith("full") or r.get("keys", 0) < MODEL_MIN_KEYS:
+            continue
+        for key, label in MODEL_SERIES:
+            us = r.get(key, math.nan)
+            if us == us and us > 0:
+                out.setdefault(r["w"], {}).setdefault(label, []).append((r["bytes"], us))
+    model: dict = {}
+    for w, series in sorted(out.items()):
+        for label, pts in series.items():
+            if len({b for b, _ in pts}) < 2:
+                continue
+            pts.sort()
+            n = len(pts)
+            mx = sum(b for b, _ in pts) / n
+            my = sum(t for _, t in pts) / n
+            slope = sum((b - mx) * (t - my) for b, t in pts) / sum((b - mx) ** 2 for b, _ in pts)
+            if slope <= 0:
+                continue
+            model.setdefault(w, {})[label] = dict(f_us=my - slope * mx, rate=1e6 / slope, points=pts)
+    return model
+
+
+def model_lines(rows: list[dict], copy_bw: float) -> list[str]:
+    """Per width: each series' fixed cost and rate, then what the 64K goal asks of a design with the
+    skeleton's fixed cost (the rate it would need, against the fastest rate measured)."""
+    model = attention_model(rows)
+    goal_rows = {r.get("w"): r for r in _defaults(rows)
+                 if r["kernel"] == "attention" and r.get("keys") == ATTENTION_GOAL_KEYS and r["shape"].startswith("full")}
+    out = []
+    for w, fits in model.items():
+        parts = [f"{label} f = {m['f_us']:.2f} us, B = {m['rate'] / 1e12:.2f} TB/s" for label, m in fits.items()]
+        lo = min(b for m in fits.values() for b, _ in m["points"])
+        line = (f"attention w = {w}, t = f + bytes / B (least squares over {len(next(iter(fits.values()))['points'])} "
+                f"contexts from {lo / 1e6:.1f} MB): " + "; ".join(parts))
+        r = goal_rows.get(w)
+        skel = fits.get(FLOORS[0][1])
+        if r is not None and skel is not None:
+            need_us = r["bytes"] / (ATTENTION_GOAL * copy_bw) * 1e6
+            fastest = max(fits.values(), key=lambda m: m["rate"])
+            fastest_label = next(k for k, m in fits.items() if m is fastest)
+            left = need_us - skel["f_us"]
+            if left <= 0:
+                line += (f". At 64K the goal's {need_us:.2f} us is below the skeleton's fixed cost alone "
+                         f"({skel['f_us']:.2f} us)")
+            else:
+                rate = r["bytes"] / (left * 1e-6)
+                line += (f". At 64K the goal's {need_us:.2f} us minus the skeleton's fixed cost "
+                         f"({skel['f_us']:.2f} us) leaves {left:.2f} us for {r['bytes'] / 1e6:.2f} MB: "
+                         f"{rate / 1e12:.2f} TB/s, {rate / fastest['rate']:.2f}x the fastest rate measured "
+                         f"({fastest_label}, {fastest['rate'] / 1e12:.2f} TB/s)")
+            budget = need_us - r["bytes"] / fastest["rate"] * 1e6
+            line += (f". At that fastest rate the goal leaves {budget:.2f} us of fixed cost: "
+                     f"{budget - fastest['f_us']:.2f} us above that reader's own {fastest['f_us']:.2f} us for "
+                     f"the partials and the merge, which cost {skel['f_us'] - fastest['f_us']:.2f} us in the skeleton")
+        out.append(line)
+    return out
+
+
+def plot_model(rows: list[dict], env: dict, path: str) -> dict:
+    """attention_model.png (see the module's doc); returns attention_model."""
+    plt = _pyplot()
+    model = attention_model(rows)
+    if not model:
+        raise SystemExit("no full-cache attention rows at two contexts from 16K up")
+    fig, axes = plt.subplots(1, len(model), figsize=(5.2 * len(model), 4.4), sharey=True, squeeze=False)
+    colors = {"attention (default)": "C3"}
+    colors.update({label: c for (_, label), c in zip(FLOORS, FLOOR_COLORS)})
+    for ax, (w, fits) in zip(axes[0], model.items()):
+        top = max(b for m in fits.values() for b, _ in m["points"])
+        for label, m in fits.items():
+            xs = [b / 1e6 for b, _ in m["points"]]
+            ax.plot(xs, [t for _, t in m["points"]], "o", color=colors[label], ms=4)
+            ax.plot([0, top / 1e6], [m["f_us"], m["f_us"] + top / m["rate"] * 1e6], color=colors[label], lw=1.2,
+                    label=f"{label}: {m['f_us']:.1f} us + {m['rate'] / 1e12:.2f} TB/s")
+        for r in _defaults(rows):
+            if r.get("w") == w and r["kernel"] == "attention" and r["shape"].startswith("full") \
+                    and r.get("keys", 0) >= ATTENTION_GOAL_KEYS:
+                ax.plot(r["bytes"] / 1e6, r["bytes"] / (ATTENTION_GOAL * env["copy_bw"]) * 1e6, "k*", ms=10)
+                skel = fits.get(FLOORS[0][1])
+                if skel is not None and r.get("keys") == ATTENTION_GOAL_KEYS:
+                    need = r["bytes"] / (ATTENTION_GOAL * env["copy_bw"]) * 1e6
+                    if need > skel["f_us"]:
+                        rate = r["bytes"] / ((need - skel["f_us"]) * 1e-6)
+                        ax.plot([0, r["bytes"] / 1e6], [skel["f_us"], need], ":", color="k", lw=1.2,
+                                label=f"the skeleton's fixed cost, then the rate the 64K goal needs: "
+                                      f"{rate / 1e12:.2f} TB/s")
+        ax.plot([], [], "k*", label=f"the goal ({ATTENTION_GOAL:.2f} of copy) at 64K / 192K")
+        ax.set_xlim(0, top / 1e6 * 1.05)
+        ax.set_ylim(0)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"w = {w} live rows")
+        ax.set_xlabel("KV bytes read per call (MB)")
+    axes[0][0].set_ylabel("time per call (us)")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    _save(plt, fig, f"Attention time = fixed cost + bytes / rate: {_title(env)}", path)
+    return model
+
+
 def attention_series(rows: list[dict], copy_bw: float) -> dict:
     """{width: {label: [(keys, fraction of copy bandwidth), ...]}} of the full-cache attention rows:
     the kernel (default variant) and each floor measured beside it, sorted by keys."""
@@ -152,7 +266,7 @@ def plot_attention(rows: list[dict], env: dict, path: str) -> dict:
     fig, axes = plt.subplots(1, len(series), figsize=(5.2 * len(series), 4.4), sharey=True, squeeze=False)
     styles = {"attention (default)": dict(color="C3", lw=2.4, marker="o")}
     for i, (_, label) in enumerate(FLOORS):
-        styles[label] = dict(color=f"C{i}", lw=1.3, marker=".", ls="--" if i else "-")
+        styles[label] = dict(color=FLOOR_COLORS[i], lw=1.3, marker=".", ls="--" if i else "-")
     for ax, (w, s) in zip(axes[0], series.items()):
         for label, pts in s.items():
             ax.plot([k for k, _ in pts], [f for _, f in pts], label=label, **styles[label])
@@ -244,12 +358,16 @@ def plot_step(payload: dict, path: str) -> dict:
 
 
 def write_figures(rows: list[dict], env: dict, out: str) -> list[str]:
-    """attention.png (when the run timed full-cache attention) and kernels.png into ``out``."""
+    """attention.png and attention_model.png (when the run timed full-cache attention) and kernels.png
+    into ``out``."""
     os.makedirs(out, exist_ok=True)
     written = []
     if attention_series(rows, env["copy_bw"]):
         plot_attention(rows, env, os.path.join(out, "attention.png"))
         written.append(os.path.join(out, "attention.png"))
+    if attention_model(rows):
+        plot_model(rows, env, os.path.join(out, "attention_model.png"))
+        written.append(os.path.join(out, "attention_model.png"))
     plot_kernels(rows, env, os.path.join(out, "kernels.png"))
     written.append(os.path.join(out, "kernels.png"))
     return written
@@ -266,7 +384,7 @@ def main(argv=None) -> int:
     payload, rows, f = load(args.kernels)
     env = payload["env"]
     print(f"{f}: {len(rows)} rows; {_title(env)}")
-    for line in attention_lines(rows, env["copy_bw"]):
+    for line in attention_lines(rows, env["copy_bw"]) + model_lines(rows, env["copy_bw"]):
         print(line)
     goals = goal_checks(rows)
     print(goal_summary(goals))

@@ -87,14 +87,62 @@ def test_attention_lines_name_the_goal_time(run):
     assert f"the goal 0.70 is {need:.2f} us" in lines[1]
 
 
+def test_fixed_cost_model_recovers_a_known_line(run):
+    """On rows made to lie exactly on t = 3 us + bytes / 4 TB/s (skeleton) and 1 us + bytes / 5 TB/s
+    (TMA reader), the fit returns those numbers; the 4K rows are left out of it."""
+    _, rows = run
+    exact = copy.deepcopy(rows)
+    for r in exact:
+        if r["kernel"] == "attention" and r["shape"].startswith("full"):
+            r["skeleton_us"] = 3.0 + r["bytes"] / 4e12 * 1e6
+            r["read_floor_tma_us"] = 1.0 + r["bytes"] / 5e12 * 1e6
+            if r["keys"] < K.MODEL_MIN_KEYS:
+                r["skeleton_us"] *= 10   # off the line: must not enter the fit
+    fits = K.attention_model(exact)[6]
+    skel, tma = fits["split + merge skeleton, no arithmetic"], fits["TMA reader (one launch, reads only)"]
+    assert skel["f_us"] == pytest.approx(3.0) and skel["rate"] == pytest.approx(4e12)
+    assert tma["f_us"] == pytest.approx(1.0) and tma["rate"] == pytest.approx(5e12)
+    assert len(skel["points"]) == 3
+
+
+def test_fixed_cost_model_of_the_recorded_run(run):
+    """Session 28 call 8: the skeleton's fixed cost leaves the 64K goal a rate above the fastest one
+    measured (the TMA reader's). Negative control: with the skeleton's times cut to a 1 us fixed cost
+    at its own rate, the same line says the goal needs less than the fastest rate."""
+    payload, rows = run
+    bw = payload["env"]["copy_bw"]
+    fits = K.attention_model(rows)
+    assert sorted(fits) == [4, 6, 8]
+    for w, f in fits.items():
+        skel = f["split + merge skeleton, no arithmetic"]
+        for b, t in skel["points"]:   # three contexts from 16K on a line, within 0.6 us
+            assert abs(skel["f_us"] + b / skel["rate"] * 1e6 - t) < 0.6, (w, b, t)
+        assert 4.5 < skel["f_us"] < 7.0 and skel["f_us"] > f["TMA reader (one launch, reads only)"]["f_us"] + 2
+    lines = K.model_lines(rows, bw)
+    assert len(lines) == 3
+    ratio = float(lines[1].split("x the fastest rate measured")[0].rsplit(", ", 1)[1])
+    assert ratio > 1.2 and "(TMA reader" in lines[1].split("x the fastest rate measured")[1]
+    cut = copy.deepcopy(rows)
+    for r in cut:
+        if r["kernel"] == "attention" and r["shape"].startswith("full") and r.get("w") == 6:
+            r["skeleton_us"] = 1.0 + r["bytes"] / fits[6]["split + merge skeleton, no arithmetic"]["rate"] * 1e6
+    line = K.model_lines(cut, bw)[1]
+    ratio = float(line.split("x the fastest rate measured")[0].rsplit(", ", 1)[1])
+    assert ratio < 1.0, line
+    # one context from 16K up is no line: that series drops out, the others stay
+    one = [r for r in rows if not (r["kernel"] == "attention" and r.get("keys") in (16384, 196608))]
+    assert K.attention_model(one) == {}
+
+
 def test_figures_and_command_line(run, tmp_path, capsys):
     status = K.main([RUN, "--step", STEP, "--out", str(tmp_path)])
     assert status == 1   # the run has failing goals
-    for name in ("attention.png", "kernels.png", "step.png"):
+    for name in ("attention.png", "attention_model.png", "kernels.png", "step.png"):
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == PNG
     out = capsys.readouterr().out
     assert "35 PASS, 3 FAIL" in out and "step.png" in out
+    assert out.count("t = f + bytes / B") == 3
     parts = K.step_parts(K.load(STEP, "bench_step")[0])
     assert [p for p, _ in parts[8192][:2]] == ["moe gate/up", "moe down"]
     assert parts[8192][0][1] == pytest.approx(3.2728, abs=1e-3)
