@@ -106,8 +106,12 @@ def interp():
 
 
 def tiny2(**changes):
-    """q1-tiny with 2 layers (sliding, full) and 128-wide experts: interpreter-sized."""
-    base = dict(num_layers=2, layer_pattern=("sliding", "full"), expert_width=128)
+    """q1-tiny with 2 layers (sliding, full), 128-wide experts and 2 experts per token: interpreter-sized.
+    The MoE's Gate/Up is most of an interpreted step (one program per used expert and column block);
+    at 2 experts per token a step takes ~11 s instead of ~25 s. The checks that the experts' number
+    matters to run at q1's 8: ``test_interpreted_verify_logits_match_reference`` (the fast backend
+    against the FP32 reference), the rank-emulated q1 shapes and the MoE kernels' own tests."""
+    base = dict(num_layers=2, layer_pattern=("sliding", "full"), expert_width=128, num_experts_per_tok=2)
     base.update(changes)
     return dataclasses.replace(load_model_config("q1-tiny"), **base).validate()
 
@@ -150,11 +154,12 @@ def test_fast_backend_refuses_shapes_the_kernels_cannot_take():
 
 @cpu_only
 def test_interpreted_verify_logits_match_reference(interp):
-    """q1-tiny (2 layers): fast vs FP32 reference within the bound at a short context (sinks carry
-    weight) and past the ring's wrap; the sinks-dropped negative control fails it."""
+    """q1-tiny (2 layers, 8 experts per token as in q1): fast vs FP32 reference within the bound at a
+    short context (sinks carry weight) and past the ring's wrap; the sinks-dropped negative control
+    fails it."""
     from runtime.fast import FastModel
 
-    cfg = tiny2()
+    cfg = tiny2(num_experts_per_tok=8)
     tensors = dict(random_tensors(cfg, seed=0))
     ref = Engine(cfg, runtime_config_from_dict({"device": "cpu"}), tensors)
     fast = FastModel(cfg, tensors, ref.shard, device="cpu")
@@ -297,13 +302,11 @@ def kernels_cfg(**kw):
     return KernelsConfig(**kw)
 
 
-@pytest.fixture(scope="module")
-def tiny_restored(interp):
-    """q1-tiny/2 layers: the FP32 reference engine, a BF16 model over the same weights, one restored
-    state at a short context and the reference's verify logits of its 8 rows."""
+def restored_tiny(cfg):
+    """The FP32 reference engine of ``cfg``, a BF16 model over the same weights, one restored state at a
+    short context and the reference's verify logits of its 8 rows."""
     from runtime.fast import FastModel
 
-    cfg = tiny2()
     tensors = dict(random_tensors(cfg, seed=0))
     ref = Engine(cfg, runtime_config_from_dict({"device": "cpu"}), tensors)
     bf16 = Model(cfg, tensors, ref.shard, "bfloat16", "cpu")
@@ -311,6 +314,22 @@ def tiny_restored(interp):
     rnd, st, cache = restored_pair(ref, probe, random_prompt(6, cfg.vocab_size, seed=6))
     return {"cfg": cfg, "ref": ref, "bf16": bf16, "st": st, "cache": cache,
             "lr": verify_logits(ref.model, rnd.cache, st, 8)}
+
+
+@pytest.fixture(scope="module")
+def tiny_restored(interp):
+    """``restored_tiny`` of tiny2 (2 experts per token): for the tests that compare arms of one model
+    (bits, close logits, calls)."""
+    return restored_tiny(tiny2())
+
+
+@pytest.fixture(scope="module")
+def tiny_restored_q1_routing(interp):
+    """``restored_tiny`` with 8 experts per token as in q1: for the tests that bound a selection's
+    logits against the FP32 reference. At 2 per token a near tie in the router that a piece's rounding
+    tips over moves a whole expert's weight (measured: 0.105 of rel err for the reference attention
+    or projections against 0.016 for the all-fast model); at 8 per token it moves a small one."""
+    return restored_tiny(tiny2(num_experts_per_tok=8))
 
 
 def spied_verify(t, kernels=None):
@@ -325,8 +344,8 @@ def spied_verify(t, kernels=None):
 
 
 @pytest.fixture(scope="module")
-def all_fast_run(tiny_restored):
-    return spied_verify(tiny_restored)
+def all_fast_run(tiny_restored_q1_routing):
+    return spied_verify(tiny_restored_q1_routing)
 
 
 def test_kernels_config_is_validated():
@@ -404,12 +423,12 @@ def test_interpreted_kernel_options_are_checked_at_construction(interp):
 
 @cpu_only
 @pytest.mark.parametrize("piece", ["attention", "moe", "norm", "linear"])
-def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast_run, piece):
+def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored_q1_routing, all_fast_run, piece):
     """kernels.<piece>=reference: verify logits within the bound of the FP32 reference like the all-fast
     model, the piece's kernel never called and every other kernel still called. Negative control: in
     the all-fast model the same spy fires (a selection that is ignored fails here)."""
     e_fast, spy_fast = all_fast_run
-    e, spy = spied_verify(tiny_restored, kernels_cfg(**{piece: "reference"}))
+    e, spy = spied_verify(tiny_restored_q1_routing, kernels_cfg(**{piece: "reference"}))
     print(f"kernels.{piece}=reference: rel err {e:.4f} (all fast {e_fast:.4f}); kernel calls "
           f"{ {p: spy.count(p) for p in PIECE_ENTRY_POINTS} } (all fast "
           f"{ {p: spy_fast.count(p) for p in PIECE_ENTRY_POINTS} })")
@@ -422,7 +441,7 @@ def test_interpreted_reference_piece_replaces_its_kernel(tiny_restored, all_fast
             # reduce does it in every layer but the last, fuse_moe_norm; and with any of attention,
             # linear or MoE on the reference, so is the add + norm before the MoE, which the all-fast
             # model leaves to the output projection and the router, fuse_router_norm)
-            n = tiny_restored["cfg"].num_layers
+            n = tiny_restored_q1_routing["cfg"].num_layers
             extra = ((n - 1 if piece == "moe" else 0) + n) if other == "norm" else 0
             assert spy.count(other) == spy_fast.count(other) + extra and spy_fast.count(other) > 0, other
     if piece == "attention":                    # both layer kinds ran through the kernel when fast
@@ -452,22 +471,30 @@ def draft_hook_arms(make_round, steps):
     return out
 
 
-def check_draft_hook(arms, verifies, drafts):
+def check_draft_hook(arms, verifies, drafts, logp_exact=True):
+    """The hook arm's state equals the torch arm's, field by field; the entropy within 1e-6. With
+    ``logp_exact=False`` (the interpreter: its log is NumPy's, within an ulp of torch's, where the GPU's
+    libdevice logf is torch's own) draft_logp within 1e-6 too. The broken arm's draft_logp is off by
+    more than that."""
     a, b, c = arms["hook"], arms["torch"], arms["broken"]
     assert arms["calls"].count("settle") == verifies and arms["calls"].count("take_draft") == drafts, arms["calls"]
     for name in ("tokens", "q_ids", "q_probs", "g", "draft_logp", "n_drafts", "log", "cont", "out", "n_out",
                  "start", "prev_start", "accepted", "emitted", "hidden", "step", "done"):
+        if name == "draft_logp" and not logp_exact:
+            assert ((a.draft_logp - b.draft_logp).abs() <= 1e-6 * b.draft_logp.abs()).all(), (a.draft_logp, b.draft_logp)
+            continue
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert ((a.draft_ent - b.draft_ent).abs() <= 1e-6 * b.draft_ent.abs()).all()
-    assert not torch.equal(c.draft_logp, b.draft_logp)
+    assert ((c.draft_logp - b.draft_logp).abs() > 1e-6 * b.draft_logp.abs()).any()
 
 
 @cpu_only
 def test_interpreted_draft_update_hook_matches_the_torch_sequence(interp):
     """Round._take_draft through FastModel.take_draft (the sampler's kernel, then take_draft's one
     launch) and verify's settle through FastModel.settle, against the same round with both hooks
-    removed: the same state after a start and one step (verify, two drafts), the entropy within 1e-6;
-    the draft_logp_bug model's state differs."""
+    removed: the same state after a start and one step (verify, two drafts), draft_logp and the
+    entropy within 1e-6 (the interpreter's log is NumPy's: draft_logp came out 1 ulp off torch's at 2
+    experts per token; the GPU test checks its bits); the draft_logp_bug model's state differs."""
     from runtime.fast import FastModel
 
     cfg = tiny2()
@@ -486,7 +513,7 @@ def test_interpreted_draft_update_hook_matches_the_torch_sequence(interp):
         rnd.draft_first(st, w)
         rnd.draft_next(st, 2)
 
-    check_draft_hook(draft_hook_arms(make_round, steps), verifies=1, drafts=2)
+    check_draft_hook(draft_hook_arms(make_round, steps), verifies=1, drafts=2, logp_exact=False)
 
 
 GLUE_ARMS = {"default": (True, False), "in_kernel": (True, True), "torch": (False, False),
@@ -579,11 +606,11 @@ def test_interpreted_reference_sampler(interp, emulate):
 
 
 @cpu_only
-def test_interpreted_kernel_options_reach_the_kernels(tiny_restored, all_fast_run):
+def test_interpreted_kernel_options_reach_the_kernels(tiny_restored_q1_routing, all_fast_run):
     """attention_options / moe_options arrive as keywords of every kernel call (the default passes
     none: negative control), and the logits stay within the bound."""
     e_fast, spy_fast = all_fast_run
-    e, spy = spied_verify(tiny_restored, kernels_cfg(attention_options={"num_splits": 3},
+    e, spy = spied_verify(tiny_restored_q1_routing, kernels_cfg(attention_options={"num_splits": 3},
                                                      moe_options={"down_nb": 2}))
     print(f"attention_options num_splits=3, moe_options down_nb=2: rel err {e:.4f}")
     assert e < LOGITS_BOUND

@@ -10,6 +10,17 @@ Triton 3.6's interpreter has two gaps that the compiled GPU path does not have:
   kernels call to match torch's results bit for bit) are stubs that return None: we route them to the
   interpreter's ``tl.cos`` / ``tl.sin`` / ``tl.log`` (NumPy's, within an ulp of torch's on the CPU).
 
+Two more shims only save time (the interpreter's own work, same results):
+
+* every call of a jitted helper re-patches ``triton.language`` through ``_patch_builtin``, which
+  scans the package with ``inspect.getmembers`` (about a fifth of an interpreted step): the names of
+  its builtins are kept per package after the first scan (taken at a kernel launch, with nothing
+  patched), and later calls look only at those names, patching the ones still builtin as before;
+* ``_get_np_dtype`` built its type table on every call: built once.
+
+``check_speed_shims()`` compares both against the originals (the tests call it, with a broken
+variant as negative control).
+
 Known and NOT shimmed: the interpreter's FP32 -> E4M3 conversion mis-rounds values whose rounding
 carries into the next binade (e.g. 31.9 -> 16 instead of 32). The MoE kernels therefore encode E4M3
 with integer arithmetic (``_e4m3_bits``) and never use that conversion.
@@ -51,8 +62,96 @@ def install() -> None:
 
     I.InterpreterBuilder.create_dot = create_dot
 
+    _install_speed_shims(I)
+
     from triton.language.extra import libdevice
     libdevice.cos = lambda x, **_: tl.cos(x)
     libdevice.sin = lambda x, **_: tl.sin(x)
     libdevice.log = lambda x, **_: tl.log(x)
     I._iqrt_shims_installed = True
+
+
+def _builtin_names(pkg) -> list[str]:
+    import inspect
+
+    import triton.language as tl
+
+    def builtin_or_patched(member):   # _patch_attr's wrapper keeps the builtin as its keyword default
+        return tl.core.is_builtin(member) or tl.core.is_builtin((getattr(member, "__kwdefaults__", None) or {})
+                                                                .get("member"))
+
+    return [name for name, member in inspect.getmembers(pkg) if builtin_or_patched(member)]
+
+
+def _install_speed_shims(I) -> None:
+    """Replace ``I._patch_builtin`` and ``I._get_np_dtype`` by equivalents that do not redo work per
+    call (module doc). The originals stay reachable as ``I._iqrt_orig_patch_builtin`` /
+    ``I._iqrt_orig_get_np_dtype``."""
+    import triton.language as tl
+
+    orig_patch_builtin, orig_np_dtype = I._patch_builtin, I._get_np_dtype
+    names: dict = {}   # id(pkg) -> (pkg, names of its builtins at the first scan)
+
+    def patch_builtin(pkg, builder, scope):
+        entry = names.get(id(pkg))
+        if entry is None or entry[0] is not pkg:
+            entry = names[id(pkg)] = (pkg, _builtin_names(pkg))
+        for name in entry[1]:
+            member = getattr(pkg, name, None)
+            if tl.core.is_builtin(member):
+                I._patch_attr(pkg, name, member, builder, scope)
+
+    table: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(key, tl.pointer_type):
+            key = "pointer"
+        got = table.get(key)
+        if got is None:
+            got = table[key] = orig_np_dtype(tt_dtype)
+        return got
+
+    I._iqrt_orig_patch_builtin, I._iqrt_orig_get_np_dtype = orig_patch_builtin, orig_np_dtype
+    I._patch_builtin, I._get_np_dtype = patch_builtin, get_np_dtype
+
+
+def check_speed_shims(I=None) -> dict:
+    """What the speed shims must keep: the same attributes patched as the original ``_patch_builtin``
+    (in an unpatched package and in one already patched, as a helper call finds it), and the same
+    NumPy type for every Triton type. Returns {"patched": [names], "dtypes": n}; raises AssertionError
+    on a difference."""
+    import triton.language as tl
+
+    if I is None:
+        from triton.runtime import interpreter as I
+
+    def patched_by(fn, pkg):
+        scope = I._LangPatchScope()
+        fn(pkg, I.interpreter_builder, scope)
+        try:
+            return sorted(name for _, name, _ in scope._changes)
+        finally:
+            scope.restore()
+
+    out = {}
+    for pkg in (tl, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+        want, got = patched_by(I._iqrt_orig_patch_builtin, pkg), patched_by(I._patch_builtin, pkg)
+        assert want == got and want, (pkg, sorted(set(want) ^ set(got)))
+        outer = I._LangPatchScope()   # as a helper's call finds the package: already patched
+        I._iqrt_orig_patch_builtin(pkg, I.interpreter_builder, outer)
+        try:
+            assert patched_by(I._iqrt_orig_patch_builtin, pkg) == patched_by(I._patch_builtin, pkg) == []
+            # a first scan taken in that state still finds every builtin
+            assert _builtin_names(pkg) == want or sorted(_builtin_names(pkg)) == want, pkg
+        finally:
+            outer.restore()
+        out.setdefault("patched", []).extend(got)
+    types = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+             tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e4nv, tl.float8e4b15]
+    types += [tl.pointer_type(t) for t in types[:4]] + [tl.block_type(t, [4]) for t in types]
+    types += [tl.block_type(tl.pointer_type(tl.float32), [4])]
+    for t in types:
+        assert I._get_np_dtype(t) == I._iqrt_orig_get_np_dtype(t), t
+    out["dtypes"] = len(types)
+    return out
