@@ -18,7 +18,8 @@ JSON):
   the straight line ``t = f + bytes / B`` fitted over the contexts from 16K up (``attention_model``):
   ``f`` is what a call costs whatever it reads (launches, ramp, partials, merge), ``B`` the rate it
   streams at. The goal at 64K is a point on that plane; the lines say which fixed cost and which rate
-  a design would need to reach it;
+  a design would need to reach it (``--holdout AB_JSON``: its predictions against an ``ab_attention.py``
+  run at other contexts);
 * ``step.png`` (with ``--step``, a ``bench_step.py --profile`` JSON or its folder): the q1 step's
   critical path per part, per context, beside the step's graph time and its floor.
 
@@ -147,8 +148,8 @@ def model_lines(rows: list[dict], copy_bw: float) -> list[str]:
     """Per width: each series' fixed cost and rate, then what the 64K goal asks of a design with the
     skeleton's fixed cost (the rate it would need, against the fastest rate measured)."""
     model = attention_model(rows)
-    goal_rows = {r.get("w"): r for r in _defaults(rows)
-                 if r["kernel"] == "attention" and r.get("keys") == ATTENTION_GOAL_KEYS and r["shape"].startswith("full")}
+    goal_rows = {r.get("w"): r for r in _defaults(rows) if r["kernel"] == "attention"
+                 and r.get("keys") == ATTENTION_GOAL_KEYS and r["shape"].startswith("full")}
     out = []
     for w, fits in model.items():
         parts = [f"{label} f = {m['f_us']:.2f} us, B = {m['rate'] / 1e12:.2f} TB/s" for label, m in fits.items()]
@@ -176,6 +177,28 @@ def model_lines(rows: list[dict], copy_bw: float) -> list[str]:
                      f"{budget - fastest['f_us']:.2f} us above that reader's own {fastest['f_us']:.2f} us for "
                      f"the partials and the merge, which cost {skel['f_us'] - fastest['f_us']:.2f} us in the skeleton")
         out.append(line)
+    return out
+
+
+# ab_attention.py configs that time the model's series: (config, series label)
+HOLDOUT_CONFIGS = (("default", "attention (default)"), ("tmasm1_128_s3", FLOORS[0][1]),
+                   ("tmaf128", FLOORS[1][1]))
+
+
+def holdout_lines(rows: list[dict], ab_rows: list[dict]) -> list[str]:
+    """The model fitted on ``rows`` (bench_kernels) against an ab_attention.py run at other contexts
+    (its ``default``, ``tmasm1_128_s3`` and ``tmaf128`` configs): per row, the predicted and the measured
+    time. The TMA reader there is one of the readers bench_kernels takes the fastest of."""
+    model = attention_model(rows)
+    out = []
+    for r in sorted(ab_rows, key=lambda r: (r.get("w", 0), r.get("ctx", 0))):
+        label = dict(HOLDOUT_CONFIGS).get(r.get("config"))
+        fit = model.get(r.get("w"), {}).get(label)
+        if fit is None:
+            continue
+        pred = fit["f_us"] + r["bytes"] / fit["rate"] * 1e6
+        out.append(f"{r['shape']} {r['config']:>14s} ({label}): predicted {pred:6.2f} us, measured "
+                   f"{r['us']:6.2f} us ({r['us'] - pred:+.2f})")
     return out
 
 
@@ -380,12 +403,21 @@ def main(argv=None) -> int:
     ap.add_argument("--step", help="bench_step.json of a --profile run (or its folder): also step.png")
     ap.add_argument("--out", help="folder for the figures (default: the JSON's folder)")
     ap.add_argument("--no-figures", action="store_true", help="print the goals only")
+    ap.add_argument("--holdout", help="an ab_attention.py JSON (or its folder) at other contexts: the fixed-cost "
+                                      "model's predictions against its times")
     args = ap.parse_args(argv)
     payload, rows, f = load(args.kernels)
     env = payload["env"]
     print(f"{f}: {len(rows)} rows; {_title(env)}")
     for line in attention_lines(rows, env["copy_bw"]) + model_lines(rows, env["copy_bw"]):
         print(line)
+    if args.holdout:
+        _, ab_rows, _ = load(args.holdout, "ab_attention")
+        lines = holdout_lines(rows, ab_rows)
+        if not lines:
+            raise SystemExit(f"{args.holdout}: no rows of {', '.join(c for c, _ in HOLDOUT_CONFIGS)} at a "
+                             "width the model has")
+        print("\n".join(["the fixed-cost model at the held-out contexts:"] + lines))
     goals = goal_checks(rows)
     print(goal_summary(goals))
     if args.no_figures:

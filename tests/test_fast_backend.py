@@ -481,7 +481,8 @@ def check_draft_hook(arms, verifies, drafts, logp_exact=True):
     for name in ("tokens", "q_ids", "q_probs", "g", "draft_logp", "n_drafts", "log", "cont", "out", "n_out",
                  "start", "prev_start", "accepted", "emitted", "hidden", "step", "done"):
         if name == "draft_logp" and not logp_exact:
-            assert ((a.draft_logp - b.draft_logp).abs() <= 1e-6 * b.draft_logp.abs()).all(), (a.draft_logp, b.draft_logp)
+            close = (a.draft_logp - b.draft_logp).abs() <= 1e-6 * b.draft_logp.abs()
+            assert close.all(), (a.draft_logp, b.draft_logp)
             continue
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert ((a.draft_ent - b.draft_ent).abs() <= 1e-6 * b.draft_ent.abs()).all()

@@ -134,6 +134,34 @@ def test_fixed_cost_model_of_the_recorded_run(run):
     assert K.attention_model(one) == {}
 
 
+S30 = os.path.join(HERE, "..", "experiments", "results", "kernels_s30", "call1")
+
+
+def test_fixed_cost_model_predicts_held_out_contexts(tmp_path, capsys):
+    """Session 30 call 1: the model fitted on bench_kernels' 16K / 64K / 192K rows predicts the
+    skeleton's time at 32K, 96K and 128K (ab_attention in the same call) within 0.5 us. Negative
+    control: the same ab rows with the skeleton 2 us slower are reported 2 us off. A run without the
+    model's configs is refused with a reason."""
+    _, rows, _ = K.load(os.path.join(S30, "bench"))
+    ab, ab_rows, _ = K.load(os.path.join(S30, "ab"), "ab_attention")
+    lines = K.holdout_lines(rows, ab_rows)
+    skel = [ln for ln in lines if "tmasm1_128_s3" in ln]
+    assert len(lines) == 9 and len(skel) == 3
+    assert all(abs(float(ln.rsplit("(", 1)[1].rstrip(")"))) < 0.5 for ln in skel), skel
+    slow = copy.deepcopy(ab_rows)
+    for r in slow:
+        if r["config"] == "tmasm1_128_s3":
+            r["us"] += 2.0
+    off = [float(ln.rsplit("(", 1)[1].rstrip(")")) for ln in K.holdout_lines(rows, slow) if "tmasm1" in ln]
+    assert all(1.5 < d < 2.5 for d in off), off
+    assert K.main([os.path.join(S30, "bench"), "--holdout", os.path.join(S30, "ab"), "--no-figures"]) == 1
+    assert "the fixed-cost model at the held-out contexts" in capsys.readouterr().out
+    p = tmp_path / "ab_attention.json"
+    p.write_text(json.dumps(dict(ab, rows=[dict(r, config="copy") for r in ab_rows])))
+    with pytest.raises(SystemExit, match="no rows of default, tmasm1_128_s3, tmaf128"):
+        K.main([os.path.join(S30, "bench"), "--holdout", str(p), "--no-figures"])
+
+
 def test_figures_and_command_line(run, tmp_path, capsys):
     status = K.main([RUN, "--step", STEP, "--out", str(tmp_path)])
     assert status == 1   # the run has failing goals
