@@ -218,13 +218,13 @@ def plot_model(rows: list[dict], env: dict, path: str) -> dict:
             ax.plot(xs, [t for _, t in m["points"]], "o", color=colors[label], ms=4)
             ax.plot([0, top / 1e6], [m["f_us"], m["f_us"] + top / m["rate"] * 1e6], color=colors[label], lw=1.2,
                     label=f"{label}: {m['f_us']:.1f} us + {m['rate'] / 1e12:.2f} TB/s")
+        skel = fits.get(FLOORS[0][1])
         for r in _defaults(rows):
             if r.get("w") == w and r["kernel"] == "attention" and r["shape"].startswith("full") \
                     and r.get("keys", 0) >= ATTENTION_GOAL_KEYS:
-                ax.plot(r["bytes"] / 1e6, r["bytes"] / (ATTENTION_GOAL * env["copy_bw"]) * 1e6, "k*", ms=10)
-                skel = fits.get(FLOORS[0][1])
+                need = r["bytes"] / (ATTENTION_GOAL * env["copy_bw"]) * 1e6
+                ax.plot(r["bytes"] / 1e6, need, "k*", ms=10)
                 if skel is not None and r.get("keys") == ATTENTION_GOAL_KEYS:
-                    need = r["bytes"] / (ATTENTION_GOAL * env["copy_bw"]) * 1e6
                     if need > skel["f_us"]:
                         rate = r["bytes"] / ((need - skel["f_us"]) * 1e-6)
                         ax.plot([0, r["bytes"] / 1e6], [skel["f_us"], need], ":", color="k", lw=1.2,

@@ -108,9 +108,10 @@ def interp():
 def tiny2(**changes):
     """q1-tiny with 2 layers (sliding, full), 128-wide experts and 2 experts per token: interpreter-sized.
     The MoE's Gate/Up is most of an interpreted step (one program per used expert and column block);
-    at 2 experts per token a step takes ~11 s instead of ~25 s. The checks that the experts' number
-    matters to run at q1's 8: ``test_interpreted_verify_logits_match_reference`` (the fast backend
-    against the FP32 reference), the rank-emulated q1 shapes and the MoE kernels' own tests."""
+    at 2 experts per token a step takes ~11 s instead of ~25 s. The checks where the number of experts
+    matters run at q1's 8: ``test_interpreted_verify_logits_match_reference`` and the tests on
+    ``tiny_restored_q1_routing`` (against the FP32 reference), the rank-emulated q1 shapes and the MoE
+    kernels' own tests."""
     base = dict(num_layers=2, layer_pattern=("sliding", "full"), expert_width=128, num_experts_per_tok=2)
     base.update(changes)
     return dataclasses.replace(load_model_config("q1-tiny"), **base).validate()
