@@ -19,7 +19,8 @@ JSON):
   ``f`` is what a call costs whatever it reads (launches, ramp, partials, merge), ``B`` the rate it
   streams at. The goal at 64K is a point on that plane; the lines say which fixed cost and which rate
   a design would need to reach it (``--holdout AB_JSON``: its predictions against an ``ab_attention.py``
-  run at other contexts);
+  run at other contexts; ``--ab AB_JSON``: the same line for every config of such a run, e.g. the flat
+  reader, the stream alone and the stream with partials and the combine);
 * ``step.png`` (with ``--step``, a ``bench_step.py --profile`` JSON or its folder): the q1 step's
   critical path per part, per context, beside the step's graph time and its floor.
 
@@ -128,6 +129,12 @@ def attention_model(rows: list[dict]) -> dict:
             us = r.get(key, math.nan)
             if us == us and us > 0:
                 out.setdefault(r["w"], {}).setdefault(label, []).append((r["bytes"], us))
+    return _fit_series(out)
+
+
+def _fit_series(out: dict) -> dict:
+    """{width: {label: [(bytes, us), ...]}} -> {width: {label: {f_us, rate, points}}}: the least-squares
+    line of each series with two distinct byte counts or more and a positive slope."""
     model: dict = {}
     for w, series in sorted(out.items()):
         for label, pts in series.items():
@@ -142,6 +149,17 @@ def attention_model(rows: list[dict]) -> dict:
                 continue
             model.setdefault(w, {})[label] = dict(f_us=my - slope * mx, rate=1e6 / slope, points=pts)
     return model
+
+
+def ab_model(ab_rows: list[dict]) -> dict:
+    """The same line per config of an ab_attention.py run ({width: {config: fit}}), over its contexts of
+    at least MODEL_MIN_KEYS keys: e.g. the flat reader, the stream alone, the stream with partials and
+    the combine, to see which step of the split + merge form adds which fixed cost."""
+    out: dict = {}
+    for r in ab_rows:
+        if r.get("ctx", 0) >= MODEL_MIN_KEYS and r.get("us", 0) > 0:
+            out.setdefault(r["w"], {}).setdefault(r["config"], []).append((r["bytes"], r["us"]))
+    return _fit_series(out)
 
 
 def model_lines(rows: list[dict], copy_bw: float) -> list[str]:
@@ -403,6 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step", help="bench_step.json of a --profile run (or its folder): also step.png")
     ap.add_argument("--out", help="folder for the figures (default: the JSON's folder)")
     ap.add_argument("--no-figures", action="store_true", help="print the goals only")
+    ap.add_argument("--ab", help="an ab_attention.py JSON (or its folder): the fixed-cost line of each of its "
+                                 "configs (contexts from 16K)")
     ap.add_argument("--holdout", help="an ab_attention.py JSON (or its folder) at other contexts: the fixed-cost "
                                       "model's predictions against its times")
     args = ap.parse_args(argv)
@@ -411,6 +431,15 @@ def main(argv=None) -> int:
     print(f"{f}: {len(rows)} rows; {_title(env)}")
     for line in attention_lines(rows, env["copy_bw"]) + model_lines(rows, env["copy_bw"]):
         print(line)
+    if args.ab:
+        _, ab_rows, _ = load(args.ab, "ab_attention")
+        fits = ab_model(ab_rows)
+        if not fits:
+            raise SystemExit(f"{args.ab}: no config timed at two contexts from 16K up")
+        for w, by_config in fits.items():
+            print(f"{args.ab}, w = {w}, t = f + bytes / B: " + "; ".join(
+                f"{c} f = {m['f_us']:.2f} us, B = {m['rate'] / 1e12:.2f} TB/s ({len(m['points'])} contexts)"
+                for c, m in by_config.items()))
     if args.holdout:
         _, ab_rows, _ = load(args.holdout, "ab_attention")
         lines = holdout_lines(rows, ab_rows)

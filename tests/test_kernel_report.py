@@ -162,6 +162,26 @@ def test_fixed_cost_model_predicts_held_out_contexts(tmp_path, capsys):
         K.main([os.path.join(S30, "bench"), "--holdout", str(p), "--no-figures"])
 
 
+def test_fixed_cost_per_step_of_the_form(tmp_path, capsys):
+    """Session 30 call 2 (ab_attention, five contexts 16K-192K): the stream alone costs about what the
+    flat reader does, and the partials with the combine add about 3.4 us of fixed cost to it; every line
+    passes its five points within 0.7 us. A run with one context per config is refused."""
+    _, ab_rows, _ = K.load(os.path.join(S30.replace("call1", "call2"), "ab"), "ab_attention")
+    fits = K.ab_model(ab_rows)[6]
+    assert sorted(fits) == ["default", "tmaf128", "tmas1_128_s3", "tmasb1_128_s3", "tmasm1_128_s3"]
+    for c, m in fits.items():
+        assert len(m["points"]) == 5
+        assert all(abs(m["f_us"] + b / m["rate"] * 1e6 - t) < 0.7 for b, t in m["points"]), c
+    assert abs(fits["tmas1_128_s3"]["f_us"] - fits["tmaf128"]["f_us"]) < 0.5
+    assert 2.5 < fits["tmasm1_128_s3"]["f_us"] - fits["tmas1_128_s3"]["f_us"] < 4.5
+    assert K.main([RUN, "--ab", os.path.join(S30.replace("call1", "call2"), "ab"), "--no-figures"]) == 1
+    assert "tmasm1_128_s3 f = 5.84 us" in capsys.readouterr().out
+    p = tmp_path / "ab_attention.json"
+    p.write_text(json.dumps({"rows": [r for r in ab_rows if r["ctx"] == 65536]}))
+    with pytest.raises(SystemExit, match="no config timed at two contexts"):
+        K.main([RUN, "--ab", str(p), "--no-figures"])
+
+
 def test_figures_and_command_line(run, tmp_path, capsys):
     status = K.main([RUN, "--step", STEP, "--out", str(tmp_path)])
     assert status == 1   # the run has failing goals
