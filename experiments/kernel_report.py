@@ -172,14 +172,14 @@ def model_lines(rows: list[dict], copy_bw: float) -> list[str]:
     for w, fits in model.items():
         parts = [f"{label} f = {m['f_us']:.2f} us, B = {m['rate'] / 1e12:.2f} TB/s" for label, m in fits.items()]
         lo = min(b for m in fits.values() for b, _ in m["points"])
-        line = (f"attention w = {w}, t = f + bytes / B (least squares over {len(next(iter(fits.values()))['points'])} "
-                f"contexts from {lo / 1e6:.1f} MB): " + "; ".join(parts))
+        n_ctx = max(len(m["points"]) for m in fits.values())
+        line = (f"attention w = {w}, t = f + bytes / B (least squares over {n_ctx} contexts from {lo / 1e6:.1f} "
+                f"MB): " + "; ".join(parts))
         r = goal_rows.get(w)
         skel = fits.get(FLOORS[0][1])
         if r is not None and skel is not None:
             need_us = r["bytes"] / (ATTENTION_GOAL * copy_bw) * 1e6
-            fastest = max(fits.values(), key=lambda m: m["rate"])
-            fastest_label = next(k for k, m in fits.items() if m is fastest)
+            fastest_label, fastest = max(fits.items(), key=lambda kv: kv[1]["rate"])
             left = need_us - skel["f_us"]
             if left <= 0:
                 line += (f". At 64K the goal's {need_us:.2f} us is below the skeleton's fixed cost alone "
