@@ -165,10 +165,6 @@ CONFIGS = {
     "cd64": dict(combine_block_d=64),
     "cd64_cnw4": dict(combine_block_d=64, combine_num_warps=4),
     "cd128_cnw4": dict(combine_block_d=128, combine_num_warps=4),
-    # session 31: the interleaved partition (split s takes key blocks s, s + S, ...: the splits read
-    # neighbouring blocks at any moment, as the flat readers do) / the contiguous one (the default before)
-    "interleave": dict(interleave=True),
-    "contiguous": dict(interleave=False),
     **{p: None for p in PROBES},
 }
 

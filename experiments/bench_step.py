@@ -515,9 +515,6 @@ AB_VARIANTS = {
     # since session 29) / by split (the layout before)
     "attn_ml_by_row": lambda rnd: _attn_opts(rnd, ml_by_row=True),
     "attn_ml_by_split": lambda rnd: _attn_opts(rnd, ml_by_row=False),
-    # session 31: full layers' splits take key blocks s, s + S, ... (attention.INTERLEAVE)
-    "attn_interleave": lambda rnd: _attn_opts(rnd, interleave=True),
-    "attn_contiguous": lambda rnd: _attn_opts(rnd, interleave=False),
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
     **{f"attn_ns{n}": (lambda rnd, n=n: _attn_opts(rnd, num_splits=n)) for n in (66, 264)},
     # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):

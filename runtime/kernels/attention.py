@@ -133,13 +133,6 @@ KV_BEFORE_WAIT = True
 # 1.028, 192K 1.009 / 1.006 (ab_attention.py, 100 paired rounds; A/A 0.995-1.004), 0.25-0.5 us per
 # call; the q1 step 1.0012 (8K) / 1.0030 (64K) (bench_step.py --ab attn_ml_by_split; A/A 0.9992 / 1.0012).
 ML_BY_ROW = True
-# v2 full layers: split s takes key blocks s, s + S, s + 2S, ... (S = num_splits) instead of one
-# contiguous range (keyword interleave), so that at any moment the splits read neighbouring blocks (a
-# window of ~S x 32 KiB of K and V) as the flat readers that stream fastest do, instead of S
-# separate regions. Where the range has at most S blocks both partitions give every split the same
-# one block. The partials are the same sums of the same keys in another grouping (another FP32
-# rounding); the combine takes min(blocks, S) splits as active. Session 31: see experiments/notes.
-INTERLEAVE = False
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -336,8 +329,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
                       stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, start, lo, seq_end,
                       b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr,
-                      KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1,
-                      INTERLEAVE: tl.constexpr = False, n_blocks=0):
+                      KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1):
     """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
     below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
     it (all but the last one or two of the range) run a loop without masks, without the -inf
@@ -345,34 +337,21 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     softmax scale folded into the exponent (exp2(s * scale - m): one FMA); the remaining blocks
     (and every block of a ring, whose window bound and slot wrap can bind anywhere) take
     ``_masked_block``. Same partials as v1 up to the rounding of s * scale. ``MID_BUG`` (negative
-    control of the tests) runs every block below the range's end unmasked, the causal boundary too.
-    ``INTERLEAVE`` (full layers): the split's blocks are b_begin, b_begin + NUM_SPLITS, ... below
-    ``n_blocks`` (b_begin = the split's index; b_end unused), the unmasked ones first."""
+    control of the tests) runs every block below the range's end unmasked, the causal boundary too."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
-    if INTERLEAVE:   # every NUM_SPLITS-th block from b_begin: the unmasked ones below n_mid, then the rest
-        n_mid = tl.minimum((seq_end if MID_BUG else start) // BLOCK_N, n_blocks)
-        b_step = NUM_SPLITS
-        b_mid = tl.maximum(n_mid, b_begin)
-        b_mid = b_mid + (b_begin - b_mid % NUM_SPLITS + NUM_SPLITS) % NUM_SPLITS   # first of its blocks >= n_mid
-        b_stop = n_mid
-        b_end = n_blocks
-    elif IS_RING:
-        b_step = 1
+    if IS_RING:
         b_mid = b_begin
-        b_stop = b_mid
     else:   # lo = 0: block b is [b * BLOCK_N, (b + 1) * BLOCK_N), unmasked iff it ends at or below start
-        b_step = 1
         if MID_BUG:
             b_mid = tl.maximum(tl.minimum(b_end, seq_end // BLOCK_N), b_begin)
         else:
             b_mid = tl.maximum(tl.minimum(b_end, start // BLOCK_N), b_begin)
-        b_stop = b_mid
     row0 = (b_begin * BLOCK_N + offs_n).to(tl.int64)
     k_ptrs = k_base + row0[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = v_base + row0[:, None] * stride_vn + offs_d[None, :]
-    for b in range(b_begin, b_stop, b_step):
+    for b in range(b_begin, b_mid):
         if TMA:   # rows of the [nkv * R, d] views
             k = KD.load([kvh * R + b * BLOCK_N, 0])
         else:
@@ -388,9 +367,9 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
             v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-        k_ptrs += b_step * BLOCK_N * stride_kn
-        v_ptrs += b_step * BLOCK_N * stride_vn
-    for b in tl.range(b_mid, b_end, b_step, num_stages=1):
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    for b in tl.range(b_mid, b_end, num_stages=1):
         m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
                                       seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
     _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
@@ -420,7 +399,7 @@ def _attn_split_v2_kernel(
     MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
     KV_FIRST: tl.constexpr = 0, KV_BEFORE_WAIT: tl.constexpr = False, _EARLY_BUG: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False, INTERLEAVE: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -436,9 +415,6 @@ def _attn_split_v2_kernel(
     4K ring or an 8K cache) requests its first block's K and V before Q and runs every block with
     the masks: Q's round trip, which precedes the pipelined loop's first loads, overlaps the K/V one.
     ``ML_BY_ROW``: the partials' m and l in the combine's order (see ``_store_partial``).
-    ``INTERLEAVE`` (full layers; the module's INTERLEAVE): where the range has more key blocks than
-    splits, split s takes blocks s, s + NUM_SPLITS, ... (with at most NUM_SPLITS blocks both
-    partitions give split s block s alone).
     ``TIMELINE``: diagnostic records into ``TL`` (see TIMELINE_FIELDS)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -446,32 +422,16 @@ def _attn_split_v2_kernel(
     _stamp(TL, prog, 1, TIMELINE)
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
-    if INTERLEAVE and not IS_RING:
-        inter = n_blocks > NUM_SPLITS
-    else:
-        inter = False   # (a constant: without INTERLEAVE the code below is v2's own)
-    if inter:
-        b_begin = split
-        b_end = n_blocks
-    else:
-        b_begin = split * per_split
-        b_end = tl.minimum(b_begin + per_split, n_blocks)
+    b_begin = split * per_split
+    b_end = tl.minimum(b_begin + per_split, n_blocks)
     if TAIL_PREFETCH and not IS_RING:   # the boundary blocks (masked loop, not pipelined) into L2
         b_mid = tl.maximum(tl.minimum(b_end, start // BLOCK_N), b_begin)
         for j in tl.static_range(2):
-            if inter:   # the boundary blocks start // BLOCK_N + j that are this split's
-                b_t = start // BLOCK_N + j
-                mine = (b_t < n_blocks) & (b_t % NUM_SPLITS == split)
-            else:
-                b_t = b_mid + j
-                mine = b_t < b_end
-            if mine:
+            if b_mid + j < b_end:
                 _prefetch_kv_rows(K, V, kvh, stride_kh, stride_kn, stride_vh, stride_vn,
-                                  tl.minimum(b_t * BLOCK_N + tl.arange(0, BLOCK_N), seq_end - 1),
+                                  tl.minimum((b_mid + j) * BLOCK_N + tl.arange(0, BLOCK_N), seq_end - 1),
                                   HEAD_DIM)
     short = (b_begin < b_end) & (b_end - b_begin <= KV_FIRST)
-    if INTERLEAVE and not IS_RING:
-        short = short & (inter == 0)
     if KV_BEFORE_WAIT:   # a short split's first block, if every key in it lies below start_pos
         # (rows of earlier steps, complete before this kernel's predecessor began), before the wait
         # (_EARLY_BUG, the tests' negative control: also the block holding the new rows)
@@ -507,13 +467,7 @@ def _attn_split_v2_kernel(
                        m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS)
     else:
         q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
-        if inter:
-            _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
-                              stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
-                              qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
-                              IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA, ML_BY_ROW, NUM_SPLITS,
-                              True, n_blocks)
-        elif b_begin < b_end:
+        if b_begin < b_end:
             _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                               stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                               qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
@@ -532,14 +486,13 @@ def _attn_combine_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
     TL_BASE: tl.constexpr = 0, TRIGGER: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False, INTERLEAVE: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False,
 ):
     """Program (row, d-slice) merges the splits' partials of one packed row. ``ONE_LOAD`` (needs
     SUB_S == BLOCK_S): every partial's m, l and acc slice is requested at once after the wait, so
     the merge costs one L2 round trip; otherwise m and l first (den), then acc in SUB_S-split chunks
     (m reloaded per chunk). ``ML_BY_ROW``: m and l in ``_store_partial``'s by-row layout (a row's
-    values of every split contiguous: 2 x ceil(splits / 8) sectors instead of 2 x splits).
-    ``INTERLEAVE`` (full layers): the split kernel's interleaved partition, min(blocks, splits) active."""
+    values of every split contiguous: 2 x ceil(splits / 8) sectors instead of 2 x splits)."""
     row = tl.program_id(0)
     dblk = tl.program_id(1)
     prog = TL_BASE + dblk * tl.num_programs(0) + row
@@ -552,10 +505,7 @@ def _attn_combine_kernel(
     m_row = i * G + h % G
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
-    if INTERLEAVE and not IS_RING:
-        n_active = tl.minimum(n_blocks, NUM_SPLITS)
-    else:
-        n_active = tl.cdiv(n_blocks, per_split)
+    n_active = tl.cdiv(n_blocks, per_split)
     if HAS_SINK:   # a weight: not written by the split kernel
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
     if PDL:   # launched as a programmatic dependent of the split kernel: its partials are complete
@@ -727,8 +677,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             _drop_last=False,
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
-            kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, interleave=None,
-            _ml_bug=False, _interleave_bug=False):
+            kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -796,13 +745,6 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     # _pdl_no_wait (negative control of the tests): the combine is launched early but skips its wait.
     prefetch = PREFETCH_BLOCKS if prefetch is None else int(prefetch)
     check(prefetch >= 0, "prefetch >= 0")
-    interleave = ((INTERLEAVE and variant == "v2") if interleave is None else bool(interleave)) and not ring
-    check(not interleave or variant == "v2", "interleave: v2 only")
-    check(not interleave or prefetch == 0, "interleave: with prefetch 0 (the prologue prefetch takes contiguous blocks)")
-    # _interleave_bug (negative control of the tests): the combine counts the contiguous partition's
-    # active splits, ceil(blocks / ceil(blocks / splits)), so where that is fewer than the splits the
-    # last splits' partials are left out.
-    check(not _interleave_bug or interleave, "_interleave_bug: with interleave")
     block_d = min(COMBINE_BLOCK_D if combine_block_d is None else combine_block_d, d)
     # _timeline (diagnostics, v2): int64 [num_splits * nkv + w * nh * d / block_d, TIMELINE_FIELDS]
     # records (see TIMELINE_FIELDS) per split program, then per combine program.
@@ -825,8 +767,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
                                                         KV_FIRST=KV_FIRST if kv_first is None else int(kv_first),
                                                         KV_BEFORE_WAIT=(pdl and KV_BEFORE_WAIT) if kv_before_wait is None
                                                         else bool(kv_before_wait),
-                                                        _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row,
-                                                        INTERLEAVE=interleave))
+                                                        _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -850,20 +791,18 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     _combine(acc, ml, sinks, out, start_pos, tl_buf, w=w, ring=ring, window=window, block_n=block_n,
              block_d=block_d, combine_block_s=combine_block_s, pdl=pdl, wait=not _pdl_no_wait,
              tl_base=num_splits * nkv if timeline else None, trigger=bool(_combine_trigger),
-             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row,
-             interleave=interleave and not _interleave_bug, _ml_bug=_ml_bug)
+             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug)
     return out
 
 
 def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, block_n, block_d=None,
              combine_block_s=None, pdl, wait=True, tl_base=None, trigger=False, one_load=None, num_warps=None,
-             ml_by_row=False, interleave=False, _ml_bug=False):
+             ml_by_row=False, _ml_bug=False):
     """The combine launch over partials ``acc`` [nkv, splits, block_m, d] / ``ml`` [nkv, splits, 2,
     block_m] (the split kernels' layout; ``ml_by_row``: [nkv, 2, block_m, splits]) into ``out`` [w, nh,
     d]; ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``:
     as a programmatic dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
-    ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline);
-    ``interleave``: the partials of the split kernel's interleaved partition (full layers). The
+    ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline). The
     options left None take the module's COMBINE_* defaults."""
     nkv, num_splits, block_m, d = acc.shape
     nh = out.shape[1]
@@ -886,7 +825,6 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
         SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and wait, TIMELINE=tl_base is not None,
         ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if one_load is None else bool(one_load)),
         TL_BASE=tl_base or 0, TRIGGER=pdl and trigger, ML_BY_ROW=bool(ml_by_row),
-        INTERLEAVE=bool(interleave) and not ring,
         num_warps=COMBINE_NUM_WARPS if num_warps is None else int(num_warps),
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -895,8 +833,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
-                          interleave=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -922,22 +859,20 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     by a kernel that may still run when the call's predecessor begins. ``block_n`` / ``num_stages``:
     keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES). ``ml_by_row`` (v2):
     the partials' m and l stored in the combine's order (None: ML_BY_ROW; False: by split, the layout
-    before session 29); the same values. ``interleave`` (v2, full caches; ignored by rings): split s
-    takes key blocks s, s + splits, ... where the range has more blocks than splits (None: INTERLEAVE).
+    before session 29); the same values.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row, interleave=interleave)
+                   ml_by_row=ml_by_row)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
-                          interleave=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -948,7 +883,7 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row, interleave=interleave)
+                   ml_by_row=ml_by_row)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -133,7 +133,7 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
 
 V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
               dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8),
-              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False), dict(interleave=True)]
+              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False)]
 
 
 @pytest.mark.gpu
@@ -159,35 +159,6 @@ def test_v2_options_split_boundaries(edge, opts):
     A = load_kernels("attention")
     ctx = _split_edges(A)[edge]
     assert run_full(A, Q1, 8, ctx - 8, seed=edge + 40, variant="v2", **opts) < TOL
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("w", [4, 6, 8])
-def test_interleave_split_boundaries_and_graph(w):
-    """The interleaved partition (split s takes key blocks s, s + S, ...) at the q1 shard: contexts at
-    the grid's edges (one block per split, one more, two more rounds), a range just past 64K, and a
-    captured graph replayed with start_pos moved across the threshold where it takes over (more
-    blocks than splits) and back. Negative control: the combine counting the contiguous partition's
-    active splits (``_interleave_bug``) leaves partials out where that count is below the splits
-    (133 blocks: 67 of 132)."""
-    A = load_kernels("attention")
-    edges = _split_edges(A)
-    for i, ctx in enumerate(edges + [65536 + 3]):
-        assert run_full(A, Q1, w, ctx - w, seed=100 + i + w, interleave=True) < TOL
-    assert run_full(A, Q1, w, edges[2] - w + 64, seed=99 + w, interleave=True, _interleave_bug=True) > TOL
-    q, k, v, sinks = make_full(w, 6, 1, 128, 196608 - w, seed=7 + w)
-    sp = torch.zeros((), dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-    A.decode_attention_full(q, k, v, sp, sinks, out, interleave=True)   # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        A.decode_attention_full(q, k, v, sp, sinks, out, interleave=True)
-    for start in (196608 - w, 1000, edges[1] - w, edges[2] + 70, 5, 100000):
-        sp.fill_(start)
-        out.fill_(float("nan"))
-        g.replay()
-        assert max_row_rel_err(out, A.attention_reference(q, k, v, start, sinks)) < TOL, start
 
 
 @pytest.mark.gpu
@@ -459,9 +430,9 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 @pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
                                   dict(kv_first=1), dict(kv_first=4), dict(kv_first=0),
                                   dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False),
-                                  dict(ml_by_row=False), dict(interleave=True)],
+                                  dict(ml_by_row=False)],
                          ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0",
-                              "kv_before_wait", "kv_after_wait", "ml_by_split", "interleave"])
+                              "kv_before_wait", "kv_after_wait", "ml_by_split"])
 def test_interp_v2_options(opts):
     """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine, the short
     splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full
@@ -510,23 +481,6 @@ def test_interp_ml_by_row_same_bits():
     _ml_by_row_same_bits(load_kernels("attention"), MINI, "cpu", seed=12)
     # two KV heads (3 query heads each): the per-head offset of the by-row layout
     _ml_by_row_same_bits(load_kernels("attention"), dict(MINI, nkv=2), "cpu", seed=13, cases=((False, 900),))
-
-
-@cpu_only
-@pytest.mark.parametrize("w,start,splits", [(8, 700, 5), (6, 64 * 12 - 3, 5), (7, 1500, 7)])
-def test_interp_interleave(w, start, splits):
-    """The interleaved partition against the FP64 reference where the range has more key blocks than
-    splits (12, 13 and 24 blocks over 5, 5 and 7 splits; the causal boundary block on different
-    splits). Negative controls: the combine counting the contiguous partition's active splits
-    (``_interleave_bug``; 12 blocks over 5 splits: 4 active, so split 4's blocks 4 and 9 are left out,
-    and 24 over 7: 6), and the unmasked loop run past the causal boundary (``_mid_bug``)."""
-    A = load_kernels("attention")
-    kw = dict(num_splits=splits, variant="v2", interleave=True)
-    assert run_full(A, MINI, w, start, seed=start + w, **kw) < TOL
-    if start != 64 * 12 - 3:   # (13 blocks over 5 splits: ceil(13 / 3) = 5, nothing left out)
-        assert run_full(A, MINI, w, start, seed=start + w, _interleave_bug=True, **kw) > TOL
-    if start == 700:
-        assert run_full(A, MINI, w, start, seed=start + w, _mid_bug=True, **kw) > TOL
 
 
 @cpu_only
