@@ -165,6 +165,16 @@ CONFIGS = {
     "cd64": dict(combine_block_d=64),
     "cd64_cnw4": dict(combine_block_d=64, combine_num_warps=4),
     "cd128_cnw4": dict(combine_block_d=128, combine_num_warps=4),
+    # session 31: the split's warps, stages, keys per block and programs per SM again, on today's v2
+    # (ml_by_row, KV_FIRST, TAIL_PREFETCH; sessions 10-12 measured these on v1 / early v2)
+    "nw8": dict(num_warps=8),
+    "nw8_st3": dict(num_warps=8, num_stages=3),
+    "st3": dict(num_stages=3),
+    "st5": dict(num_stages=5),
+    "bn128_st2": dict(block_n=128, num_stages=2),
+    "bn128_st2_nw8": dict(block_n=128, num_stages=2, num_warps=8),
+    "bn32_st6": dict(block_n=32, num_stages=6),
+    "spl264_st2": dict(num_splits=264, num_stages=2),
     **{p: None for p in PROBES},
 }
 
@@ -173,10 +183,11 @@ def _launches(name, data):
     """Config ``name``'s calls, one per input set (with its carveouts around each launch)."""
     kw = dict(CONFIGS[name])
     carve = kw.pop("_carve", None)
+    splits = kw.pop("num_splits", None)
 
     def call(q, k, v, s, sp, o):
         with carveouts(None if DRY_RUN else carve):
-            A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, **kw)
+            A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=splits, **kw)
     return [(lambda d=d: call(*d)) for d in data]
 
 
