@@ -18,6 +18,11 @@ bytes in flight per SM are bounded by shared memory (228 KiB), not by registers:
 * ``_tma_stream_barrier_kernel`` (``tmasb{m}_{bn}_s{stages}``, session 21): the same split + merge with
   no arithmetic in ONE launch: the stream and partial, a grid-wide arrival counter (every program
   polls until all have arrived), then each program merges (row, 32-column) slices of all partials.
+* ``tmase{m}_{bn}_s{stages}`` / ``tmasp{m}_{bn}_s{stages}`` (session 31): the split + merge call's
+  launch structure with a merge that costs nothing: the stream releasing its programmatic dependent at
+  its start (without / with its partial stores), then ``_empty_dependent_kernel``, a dependent on the
+  combine's grid that only waits (griddepcontrol.wait) and stores one word per program. What two
+  launches cost before the merge reads a byte.
 * ``_tma_flat_kernel`` (``tmaf{bn}``): one 1-warp program per BN-row tile of the capacity (a fixed
   grid, as a captured launch needs); programs past the valid extent only read start_pos.
 
@@ -37,6 +42,8 @@ import re
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 try:
     from triton.experimental import gluon
@@ -46,7 +53,16 @@ try:
 except ImportError:   # a triton without Gluon: the probes are unavailable, nothing else is
     gluon = None
 
-PATTERN = re.compile(r"tmas([mb]?)(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
+PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
+
+
+@triton.jit
+def _empty_dependent_kernel(OUT, PDL: tl.constexpr = True):
+    """A merge that costs nothing: wait for the stream's grid (griddepcontrol.wait), store one word.
+    (PDL off: no wait, for the CPU interpreter's dry runs.)"""
+    if PDL:
+        gdc_wait()
+    tl.store(OUT + tl.program_id(0), 1.0)
 
 if gluon is not None:
     @gluon.jit
@@ -89,16 +105,18 @@ if gluon is not None:
 
     @gluon.jit
     def _tma_stream_merge_kernel(k_desc, v_desc, ACC, ML, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False):
+                                 BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False, PARTIAL: gl.constexpr = True):
         """``_tma_stream_kernel``, releasing its programmatic dependent (the combine) at its start as the
         v2 split does, then storing a partial in the split kernels' layout (ACC [NPROG, BLOCK_M, D]
         zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1; ``BY_ROW``: ML [2, BLOCK_M, NPROG], the
-        attention's ML_BY_ROW): a split + merge call with no arithmetic."""
+        attention's ML_BY_ROW): a split + merge call with no arithmetic. ``PARTIAL`` off: no partial
+        stored (the ``tmase`` probe)."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
         pid = gl.program_id(0)
         _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES)
-        _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1, BY_ROW, NPROG)
+        if PARTIAL:
+            _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1, BY_ROW, NPROG)
 
     @gluon.jit
     def _store_partial(ACC, ML, pid, D: gl.constexpr, BLOCK_M: gl.constexpr, VALUE: gl.constexpr,
@@ -195,7 +213,7 @@ def calls(name: str, data) -> list | None:
     m = PATTERN.fullmatch(name)
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
-    merge = barrier = False
+    merge = barrier = empty = False
     if m.group(5):   # flat: one program per tile of the capacity
         bn = int(m.group(5))
         grid = triton.cdiv(data[0][1].shape[1], bn)
@@ -203,7 +221,7 @@ def calls(name: str, data) -> list | None:
         def launch(kd, vd, o, sp, w):
             _tma_flat_kernel[(grid,)](kd, vd, o, sp, w, BN=bn, num_warps=1)
     else:            # stream: programs per SM, each its contiguous share
-        merge, barrier = m.group(1) == "m", m.group(1) == "b"
+        merge, barrier, empty = m.group(1) == "m", m.group(1) == "b", m.group(1) in ("e", "p")
         per_sm, bn, stages = int(m.group(2)), int(m.group(3)), int(m.group(4))
         grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
 
@@ -212,8 +230,9 @@ def calls(name: str, data) -> list | None:
     out = []
     for q, k, v, _, sp, o_att in data:
         kd, vd = _descs(k, v, bn)
-        if merge:
-            out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages))
+        if merge or empty:
+            out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages,
+                                   empty=m.group(1) if empty else None))
             continue
         if barrier:
             out.append(_barrier_call(kd, vd, q, sp, grid, bn, stages))
@@ -251,18 +270,24 @@ def _partials(q, grid, by_row=False):
                         dtype=torch.float32))
 
 
-def _merge_call(kd, vd, q, sp, out, grid, bn, stages):
+def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None):
     """One ``tmasm`` call: the stream with its partials, then the attention's combine over them (in the
-    runtime's default layout of m and l, attention.ML_BY_ROW)."""
+    runtime's default layout of m and l, attention.ML_BY_ROW). ``empty`` "e" / "p" (``tmase`` /
+    ``tmasp``): the combine replaced by ``_empty_dependent_kernel`` on the combine's grid, the partials
+    not stored ("e") or stored ("p")."""
     from runtime.kernels import attention as A
 
-    w = q.shape[0]
+    w, nh, d = q.shape
     by_row = bool(A.ML_BY_ROW)
     block_m, acc, ml = _partials(q, grid, by_row)
+    words = torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
 
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
-                                          BY_ROW=by_row, num_warps=1)
-        A._combine(acc, ml, None, out, sp, w=w, ring=False, window=0, block_n=A.BLOCK_N, pdl=True,
-                   ml_by_row=by_row)
+                                          BY_ROW=by_row, PARTIAL=empty != "e", num_warps=1)
+        if empty:
+            _empty_dependent_kernel[(words.numel(),)](words, num_warps=A.COMBINE_NUM_WARPS, launch_pdl=True)
+        else:
+            A._combine(acc, ml, None, out, sp, w=w, ring=False, window=0, block_n=A.BLOCK_N, pdl=True,
+                       ml_by_row=by_row)
     return call

@@ -116,6 +116,12 @@ PROBES += tuple(f"solf{c}_w{nw}" for c in (8, 16, 32, 64, 128) for nw in (1, 2, 
 PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
 # session 19: TMA readers (programs per SM, rows per tile, stages; flat: rows per tile)
 PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its partials and the combine
+# session 31: the same two launches with a merge that costs nothing (a dependent that only waits), without /
+# with the partials' stores
+PROBES += ("tmase1_128_s3", "tmasp1_128_s3")
+# (session 31's call 8 ran tmasm1_128_s3 / tmasp1_128_s3 with 4-warp programs, a probe version not kept,
+# beside the 1-warp ones under the names *_w1: the same times within 0.3 us, so what the partials' stores
+# cost these probes is not down to their one warp)
 # session 21: the same in one launch: the stream, its partials, a grid-wide arrival and the merge
 PROBES += ("tmasb1_128_s3", "tmasb1_64_s4")
 PROBES += ("tmas1_64_s4", "tmas1_64_s6", "tmas1_128_s3", "tmas2_64_s3", "tmas4_64_s1", "tmas2_32_s6",
@@ -175,6 +181,12 @@ CONFIGS = {
     "bn128_st2_nw8": dict(block_n=128, num_stages=2, num_warps=8),
     "bn32_st6": dict(block_n=32, num_stages=6),
     "spl264_st2": dict(num_splits=264, num_stages=2),
+    # session 31, measurement only (the results are wrong): the attention call split into its parts. The
+    # split without its partials' stores (the combine merges stale partials); the combine replaced by a
+    # dependent on its grid that only waits (_tma_read._empty_dependent_kernel); both.
+    "no_store": dict(_no_store=True),
+    "empty_merge": dict(_no_combine=True, _empty_dep=True),
+    "no_store_empty_merge": dict(_no_store=True, _no_combine=True, _empty_dep=True),
     **{p: None for p in PROBES},
 }
 
@@ -184,11 +196,19 @@ def _launches(name, data):
     kw = dict(CONFIGS[name])
     carve = kw.pop("_carve", None)
     splits = kw.pop("num_splits", None)
+    empty_dep = kw.pop("_empty_dep", False)
 
-    def call(q, k, v, s, sp, o):
+    def call(q, k, v, s, sp, o, words):
         with carveouts(None if DRY_RUN else carve):
             A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=splits, **kw)
-    return [(lambda d=d: call(*d)) for d in data]
+            if empty_dep:   # the combine's grid, a programmatic dependent that only waits
+                _tma_read._empty_dependent_kernel[(words.numel(),)](
+                    words, PDL=not DRY_RUN, num_warps=A.COMBINE_NUM_WARPS, **({} if DRY_RUN else {"launch_pdl": True}))
+
+    def words(q):
+        w, nh, d = q.shape
+        return torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
+    return [(lambda d=d, wd=words(d[0]): call(*d, wd)) for d in data]
 
 
 def main():

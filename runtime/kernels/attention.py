@@ -254,10 +254,14 @@ def _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
 @triton.jit
 def _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
                    m_i, l_i, acc, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ML_BY_ROW: tl.constexpr = False,
-                   NUM_SPLITS=1):
+                   NUM_SPLITS=1, SKIP: tl.constexpr = False):
     """A split's un-normalised partial (acc, m, l) for the valid packed rows. m and l go to ML
     [nkv, splits, 2, BLOCK_M] (stride_mh, stride_ms), or with ``ML_BY_ROW`` to ML [nkv, 2, BLOCK_M,
-    NUM_SPLITS] (stride_mh): one row's m (and l) of every split side by side, as the combine reads them."""
+    NUM_SPLITS] (stride_mh): one row's m (and l) of every split side by side, as the combine reads them.
+    ``SKIP`` (measurement only, the result is wrong): nothing stored, through a row mask that is false
+    at run time (l >= 0) but not provably so, so that the compiler keeps the work the stores consume."""
+    if SKIP:
+        row_ok = row_ok & (l_i < 0.0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     acc_ptr = ACC + kvh * stride_ah + split * stride_as
@@ -329,7 +333,8 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
                       stride_ah, stride_as, stride_am, stride_mh, stride_ms, qk_scale_log2, start, lo, seq_end,
                       b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr,
-                      KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1):
+                      KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1,
+                      NO_STORE: tl.constexpr = False):
     """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
     below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
     it (all but the last one or two of the range) run a loop without masks, without the -inf
@@ -373,7 +378,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
         m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
                                       seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
     _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
-                   m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS)
+                   m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS, NO_STORE)
 
 
 @triton.jit
@@ -399,7 +404,7 @@ def _attn_split_v2_kernel(
     MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
     KV_FIRST: tl.constexpr = 0, KV_BEFORE_WAIT: tl.constexpr = False, _EARLY_BUG: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False, _NO_STORE: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -464,14 +469,15 @@ def _attn_split_v2_kernel(
             m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2,
                                           lo, seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
         _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
-                       m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS)
+                       m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS, _NO_STORE)
     else:
         q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
         if b_begin < b_end:
             _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                               stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                               qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
-                              IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA, ML_BY_ROW, NUM_SPLITS)
+                              IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA, ML_BY_ROW, NUM_SPLITS,
+                              _NO_STORE)
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -677,7 +683,8 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             _drop_last=False,
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
-            kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False):
+            kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False,
+            _no_store=False, _no_combine=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -767,7 +774,8 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
                                                         KV_FIRST=KV_FIRST if kv_first is None else int(kv_first),
                                                         KV_BEFORE_WAIT=(pdl and KV_BEFORE_WAIT) if kv_before_wait is None
                                                         else bool(kv_before_wait),
-                                                        _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row))
+                                                        _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row,
+                                                        _NO_STORE=bool(_no_store)))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -786,6 +794,12 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
         num_warps=NUM_WARPS if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages, **extra,
     )
+    # _no_store / _no_combine (measurement only, the result is wrong; experiments/ab_attention.py): the
+    # split stores no partial / the combine is not launched, so that a benchmark can split a call's
+    # time between the split's stream, its partials' stores and the merge.
+    check(not _no_store or variant == "v2", "_no_store: v2 only")
+    if _no_combine:
+        return out
     # v1's split kernel does not signal its dependents early; its combine may still be a programmatic
     # dependent (it then starts when the last split exits, before the kernel's completion is flushed).
     _combine(acc, ml, sinks, out, start_pos, tl_buf, w=w, ring=ring, window=window, block_n=block_n,

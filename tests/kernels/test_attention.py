@@ -484,6 +484,47 @@ def test_interp_ml_by_row_same_bits():
 
 
 @cpu_only
+def test_interp_measurement_flags_skip_their_part():
+    """``_launch``'s measurement-only flags (experiments/ab_attention.py's no_store / empty_merge) skip
+    exactly their part: with ``_no_combine`` the split stores its partials (the combine run on them
+    afterwards gives the right output) and ``out`` is never written; with ``_no_store`` the split leaves
+    the partial buffers as they were (NaN here) while the call's shapes and launches are the default's."""
+    A = load_kernels("attention")
+    w, start = 6, 700
+    q, k, v, sinks = make_full(w, MINI["nh"], MINI["nkv"], MINI["d"], start, seed=21)
+    sp = _start(start, q.device)
+    ref = A.attention_reference(q, k, v, start, sinks)
+    bufs = {}
+    real_empty = torch.empty
+
+    def nan_empty(*a, **kw):   # the partial buffers _launch allocates, poisoned and kept
+        t = real_empty(*a, **kw)
+        if t.dtype == torch.float32:
+            t.fill_(float("nan"))
+            bufs.setdefault("acc" if t.dim() == 4 and "acc" not in bufs else "ml", t)
+        return t
+    for no_store, no_combine in ((False, True), (True, True), (True, False)):
+        bufs.clear()
+        out = torch.full_like(q, float("nan"))
+        torch.empty = nan_empty
+        try:
+            A._launch(q, k, v, sp, sinks, out, ring=False, window=0, num_splits=3, variant="v2",
+                      _no_store=no_store, _no_combine=no_combine)
+        finally:
+            torch.empty = real_empty
+        acc, ml = bufs["acc"], bufs["ml"]
+        assert torch.isnan(acc).all() == no_store and torch.isnan(ml).all() == no_store
+        if no_combine:
+            assert torch.isnan(out).all()
+        else:
+            assert torch.isnan(out).all() or max_row_rel_err(out, ref) > TOL   # merged NaN partials
+        if not no_store:   # the stored partials are the default's: the combine on them is right
+            A._combine(acc, ml, sinks, out, sp, w=w, ring=False, window=0, block_n=A.BLOCK_N, pdl=False,
+                       ml_by_row=A.ML_BY_ROW)
+            assert max_row_rel_err(out, ref) < TOL
+
+
+@cpu_only
 @pytest.mark.parametrize("block_n,num_stages", [(32, 2), (16, 3)])
 def test_interp_public_block_options(block_n, num_stages):
     """decode_attention_full / _ring pass the split's block_n and num_stages through (the runtime's
