@@ -242,6 +242,21 @@ def calls(name: str, data) -> list | None:
     return out
 
 
+def empty_dependent(q, pdl: bool = True):
+    """A callable launching ``_empty_dependent_kernel`` on the attention combine's grid for q [w, nh, d]
+    (one word per program), as a programmatic dependent (``pdl``; off for the CPU interpreter): what
+    replaces the combine where a benchmark times a call without its merge."""
+    from runtime.kernels import attention as A
+
+    w, nh, d = q.shape
+    words = torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
+
+    def launch():
+        _empty_dependent_kernel[(words.numel(),)](words, PDL=pdl, num_warps=A.COMBINE_NUM_WARPS,
+                                                  **({"launch_pdl": True} if pdl else {}))
+    return launch
+
+
 def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
     """One ``tmasb`` call: stream, partials, grid-wide arrival and the merge, in one launch (plain: a
     programmatic dependent could start before the previous call's programs leave their SMs)."""
@@ -277,16 +292,16 @@ def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None):
     not stored ("e") or stored ("p")."""
     from runtime.kernels import attention as A
 
-    w, nh, d = q.shape
+    w = q.shape[0]
     by_row = bool(A.ML_BY_ROW)
     block_m, acc, ml = _partials(q, grid, by_row)
-    words = torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
+    dependent = empty_dependent(q)
 
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
                                           BY_ROW=by_row, PARTIAL=empty != "e", num_warps=1)
         if empty:
-            _empty_dependent_kernel[(words.numel(),)](words, num_warps=A.COMBINE_NUM_WARPS, launch_pdl=True)
+            dependent()
         else:
             A._combine(acc, ml, None, out, sp, w=w, ring=False, window=0, block_n=A.BLOCK_N, pdl=True,
                        ml_by_row=by_row)

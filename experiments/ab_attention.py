@@ -198,17 +198,13 @@ def _launches(name, data):
     splits = kw.pop("num_splits", None)
     empty_dep = kw.pop("_empty_dep", False)
 
-    def call(q, k, v, s, sp, o, words):
+    def call(q, k, v, s, sp, o, dependent):
         with carveouts(None if DRY_RUN else carve):
             A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=splits, **kw)
-            if empty_dep:   # the combine's grid, a programmatic dependent that only waits
-                _tma_read._empty_dependent_kernel[(words.numel(),)](
-                    words, PDL=not DRY_RUN, num_warps=A.COMBINE_NUM_WARPS, **({} if DRY_RUN else {"launch_pdl": True}))
-
-    def words(q):
-        w, nh, d = q.shape
-        return torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
-    return [(lambda d=d, wd=words(d[0]): call(*d, wd)) for d in data]
+            if dependent is not None:   # the combine's grid, a programmatic dependent that only waits
+                dependent()
+    return [(lambda d=d, dep=_tma_read.empty_dependent(d[0], pdl=not DRY_RUN) if empty_dep else None:
+             call(*d, dep)) for d in data]
 
 
 def main():

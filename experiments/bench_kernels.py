@@ -20,7 +20,9 @@ For every kernel and shape it prints and records:
   K/V bytes in one launch (start_pos first, no arithmetic), and read_floor_tma_us, the same bytes
   through the TMA engine (``_tma_read``, sm_90+; NaN elsewhere), with of_read_floor / _tma; and
   skeleton_us, that TMA stream storing a partial per program with the runtime's own combine launch
-  over them (the split + merge design with no arithmetic; ``_tma_read.tmasm1_128_s3``), of_skeleton.
+  over them (the split + merge design with no arithmetic; ``_tma_read.tmasm1_128_s3``), of_skeleton;
+  structure_us, the same two launches with a merge that costs nothing (``tmase1_128_s3``), and
+  nomerge_us, the attention's split followed by that empty dependent instead of its combine (session 31).
 Full results go to $OUT/bench_kernels.json and .csv when OUT is set, with the figures of
 ``kernel_report.py`` (attention.png, attention_model.png, kernels.png); a short table comes last, then every goal of the
 issue with PASS / FAIL (``kernel_report.goal_checks``; ``kernel_report.py`` re-reads a saved run).
@@ -260,6 +262,17 @@ def bench_attention(copy_bw, l2, sweep):
             # stream, a partial per program and the runtime's own combine launch over them)
             skel_calls = _tma_read.calls("tmasm1_128_s3", data) if mode == "full" else None
             skeleton_us = graph_time(skel_calls)[0] * 1e6 if skel_calls else float("nan")
+            # session 31: the same two launches with a merge that costs nothing (_tma_read.tmase1_128_s3:
+            # the stream, then a dependent on the combine's grid that only waits), and the attention
+            # itself without its merge (its split, then that dependent: measurement only)
+            struct_calls = _tma_read.calls("tmase1_128_s3", data) if mode == "full" else None
+            structure_us = graph_time(struct_calls)[0] * 1e6 if struct_calls else float("nan")
+            nomerge_us = float("nan")
+            if struct_calls:
+                nomerge_calls = [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, dep=_tma_read.empty_dependent(q): (
+                    A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, _no_combine=True), dep()))
+                    for q, k, v, s, sp, o in data]
+                nomerge_us = graph_time(nomerge_calls)[0] * 1e6
             for name, cfg in configs:
                 long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
                 if name in long_only:
@@ -274,7 +287,8 @@ def bench_attention(copy_bw, l2, sweep):
                 row = record("attention", shape, name, calls, kv_bytes + io_bytes, copy_bw,
                              ref_calls=ref_calls if name == "default" else None,
                              eager=name == "default", w=w, keys=n_keys, copy_same_us=copy_us,
-                             read_floor_us=read_us, read_floor_tma_us=read_tma_us, skeleton_us=skeleton_us)
+                             read_floor_us=read_us, read_floor_tma_us=read_tma_us, skeleton_us=skeleton_us,
+                             structure_us=structure_us, nomerge_us=nomerge_us)
                 row["of_copy_same"] = copy_us / row["graph_us"]
                 row["of_skeleton"] = skeleton_us / row["graph_us"]
                 row["of_read_floor"] = read_us / row["graph_us"]

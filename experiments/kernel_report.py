@@ -43,8 +43,12 @@ MOE_GOAL = 0.65             # of copy bandwidth, MoE at 6 live rows with realist
 FLOORS = (("skeleton_us", "split + merge skeleton, no arithmetic"),
           ("read_floor_tma_us", "TMA reader (one launch, reads only)"),
           ("read_floor_us", "register reader (one launch, reads only)"),
-          ("copy_same_us", "torch copy of the K rows"))
-FLOOR_COLORS = ("C0", "C1", "C2", "C4")   # C3 is the kernel's
+          ("copy_same_us", "torch copy of the K rows"),
+          # session 31 (runs before it lack them): the skeleton's two launches with a merge that costs
+          # nothing, and the attention without its merge (its split, then that empty dependent)
+          ("structure_us", "two launches around the TMA stream, a merge that costs nothing"),
+          ("nomerge_us", "attention without its merge (measurement only)"))
+FLOOR_COLORS = ("C0", "C1", "C2", "C4", "C5", "C6")   # C3 is the kernel's
 
 
 def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
@@ -164,7 +168,8 @@ def ab_model(ab_rows: list[dict]) -> dict:
 
 def model_lines(rows: list[dict], copy_bw: float) -> list[str]:
     """Per width: each series' fixed cost and rate, then what the 64K goal asks of a design with the
-    skeleton's fixed cost (the rate it would need, against the fastest rate measured)."""
+    skeleton's fixed cost (the rate it would need, against the fastest rate measured), then the 64K
+    call's parts where the run measured them (``parts_line``)."""
     model = attention_model(rows)
     goal_rows = {r.get("w"): r for r in _defaults(rows) if r["kernel"] == "attention"
                  and r.get("keys") == ATTENTION_GOAL_KEYS and r["shape"].startswith("full")}
@@ -194,8 +199,27 @@ def model_lines(rows: list[dict], copy_bw: float) -> list[str]:
             line += (f". At that fastest rate the goal leaves {budget:.2f} us of fixed cost: "
                      f"{budget - fastest['f_us']:.2f} us above that reader's own {fastest['f_us']:.2f} us for "
                      f"the partials and the merge, which cost {skel['f_us'] - fastest['f_us']:.2f} us in the skeleton")
+        if r is not None:
+            line += parts_line(r, copy_bw)
         out.append(line)
     return out
+
+
+def parts_line(r: dict, copy_bw: float) -> str:
+    """The 64K call split into its parts, where the run measured them (session 31 on; else ""): the two
+    launches around a TMA stream with a merge that costs nothing (structure_us), what the attention's
+    split adds to them (nomerge_us - structure_us) and what its merge adds (graph_us - nomerge_us), and
+    the time of a split as fast as that stream with today's merge, against the goal."""
+    s_us, n_us, t_us = r.get("structure_us", math.nan), r.get("nomerge_us", math.nan), r["graph_us"]
+    if not (s_us == s_us and n_us == n_us):
+        return ""
+    need_us = r["bytes"] / (ATTENTION_GOAL * copy_bw) * 1e6
+    best = s_us + (t_us - n_us)
+    return (f". The 64K call in parts: the two launches around the TMA stream with a merge that costs nothing "
+            f"{s_us:.2f} us (= {r['bytes'] / (s_us * 1e-6) / copy_bw:.3f}); the attention's split adds "
+            f"{n_us - s_us:.2f} us to them and its merge {t_us - n_us:.2f} us. A split as fast as that stream "
+            f"with this merge: {best:.2f} us (= {r['bytes'] / (best * 1e-6) / copy_bw:.3f}) against the goal's "
+            f"{need_us:.2f} us")
 
 
 # ab_attention.py configs that time the model's series: (config, series label)

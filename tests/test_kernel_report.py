@@ -228,3 +228,33 @@ def test_step_json_without_profiles_is_refused(tmp_path):
     payload, _, _ = K.load(str(p), "bench_step")
     with pytest.raises(SystemExit, match="--profile"):
         K.step_parts(payload)
+
+
+def test_parts_line_splits_the_64k_call(run):
+    """Session 31's parts of the 64K call: with structure_us (the two launches around a TMA stream, a
+    merge that costs nothing) and nomerge_us (the attention without its merge) in the rows, the model
+    line says what the split and the merge add and what a split as fast as the stream would take; a
+    run without them (session 28's) prints exactly what it printed before. Negative control: a merge
+    made 1 us dearer (nomerge_us 1 us lower) is reported 1 us dearer and its best case 1 us slower."""
+    payload, rows = run
+    bw = payload["env"]["copy_bw"]
+    before = K.model_lines(rows, bw)
+    assert all("in parts" not in ln for ln in before)
+    parts = copy.deepcopy(rows)
+    for r in parts:
+        if r["kernel"] == "attention" and r["shape"].startswith("full"):
+            r["structure_us"] = 2.5 + r["bytes"] / 4.1e12 * 1e6
+            r["nomerge_us"] = r["graph_us"] - 1.25
+    r64 = _row(parts, "attention", "full64K_w6")
+    line = K.model_lines(parts, bw)[1]
+    assert line.startswith(before[1].split(". At 64K")[0].split("; two launches")[0])
+    tail = line.split("The 64K call in parts: ")[1]
+    s_us = r64["structure_us"]
+    assert f"a merge that costs nothing {s_us:.2f} us" in tail
+    assert f"split adds {r64['nomerge_us'] - s_us:.2f} us to them and its merge 1.25 us" in tail
+    assert f"this merge: {s_us + 1.25:.2f} us" in tail
+    for r in parts:
+        if r["kernel"] == "attention" and r["shape"].startswith("full"):
+            r["nomerge_us"] -= 1.0
+    tail2 = K.model_lines(parts, bw)[1].split("The 64K call in parts: ")[1]
+    assert "its merge 2.25 us" in tail2 and f"this merge: {s_us + 2.25:.2f} us" in tail2
