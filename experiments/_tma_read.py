@@ -257,6 +257,18 @@ def empty_dependent(q, pdl: bool = True):
     return launch
 
 
+def without_merge(data, pdl: bool = True, **kw) -> list:
+    """The attention's full-cache calls over ``data`` (``bench_kernels.attention_sets``) without their
+    merge: ``attention._launch(..., _no_combine=True, **kw)``, then ``empty_dependent`` on the combine's
+    grid (measurement only: ``out`` is not written)."""
+    from runtime.kernels import attention as A
+
+    def call(q, k, v, s, sp, o, dependent):
+        A._launch(q, k, v, sp, s, o, ring=False, window=0, _no_combine=True, **{"num_splits": None, **kw})
+        dependent()
+    return [(lambda d=d, dep=empty_dependent(d[0], pdl=pdl): call(*d, dep)) for d in data]
+
+
 def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
     """One ``tmasb`` call: stream, partials, grid-wide arrival and the merge, in one launch (plain: a
     programmatic dependent could start before the previous call's programs leave their SMs)."""

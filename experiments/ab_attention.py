@@ -196,15 +196,18 @@ def _launches(name, data):
     kw = dict(CONFIGS[name])
     carve = kw.pop("_carve", None)
     splits = kw.pop("num_splits", None)
-    empty_dep = kw.pop("_empty_dep", False)
-
-    def call(q, k, v, s, sp, o, dependent):
-        with carveouts(None if DRY_RUN else carve):
+    if kw.pop("_empty_dep", False):   # the split, then a dependent on the combine's grid that only waits
+        kw.pop("_no_combine", None)
+        calls = _tma_read.without_merge(data, pdl=not DRY_RUN, num_splits=splits, **kw)
+    else:
+        def launch(q, k, v, s, sp, o):
             A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=splits, **kw)
-            if dependent is not None:   # the combine's grid, a programmatic dependent that only waits
-                dependent()
-    return [(lambda d=d, dep=_tma_read.empty_dependent(d[0], pdl=not DRY_RUN) if empty_dep else None:
-             call(*d, dep)) for d in data]
+        calls = [(lambda d=d: launch(*d)) for d in data]
+
+    def carved(c):
+        with carveouts(None if DRY_RUN else carve):
+            c()
+    return [(lambda c=c: carved(c)) for c in calls]
 
 
 def main():

@@ -267,12 +267,7 @@ def bench_attention(copy_bw, l2, sweep):
             # itself without its merge (its split, then that dependent: measurement only)
             struct_calls = _tma_read.calls("tmase1_128_s3", data) if mode == "full" else None
             structure_us = graph_time(struct_calls)[0] * 1e6 if struct_calls else float("nan")
-            nomerge_us = float("nan")
-            if struct_calls:
-                nomerge_calls = [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, dep=_tma_read.empty_dependent(q): (
-                    A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, _no_combine=True), dep()))
-                    for q, k, v, s, sp, o in data]
-                nomerge_us = graph_time(nomerge_calls)[0] * 1e6
+            nomerge_us = graph_time(_tma_read.without_merge(data))[0] * 1e6 if struct_calls else float("nan")
             for name, cfg in configs:
                 long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
                 if name in long_only:

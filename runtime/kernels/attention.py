@@ -749,6 +749,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     check(not _drop_last, "_drop_last: fused variant only")
     pdl = pdl_supported(q.device) and (PDL if pdl is None else bool(pdl))
     check(not _mid_bug or variant == "v2", "_mid_bug: v2 only")
+    check(not _no_store or variant == "v2", "_no_store: v2 only")
     # _pdl_no_wait (negative control of the tests): the combine is launched early but skips its wait.
     prefetch = PREFETCH_BLOCKS if prefetch is None else int(prefetch)
     check(prefetch >= 0, "prefetch >= 0")
@@ -797,7 +798,6 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     # _no_store / _no_combine (measurement only, the result is wrong; experiments/ab_attention.py): the
     # split stores no partial / the combine is not launched, so that a benchmark can split a call's
     # time between the split's stream, its partials' stores and the merge.
-    check(not _no_store or variant == "v2", "_no_store: v2 only")
     if _no_combine:
         return out
     # v1's split kernel does not signal its dependents early; its combine may still be a programmatic
