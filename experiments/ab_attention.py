@@ -187,6 +187,14 @@ CONFIGS = {
     "no_store": dict(_no_store=True),
     "empty_merge": dict(_no_combine=True, _empty_dep=True),
     "no_store_empty_merge": dict(_no_store=True, _no_combine=True, _empty_dep=True),
+    # session 32: candidates, the splits' balanced key ranges and Q loaded beside K / V in every block;
+    # measurement only, the split without Q's load (a zero tile: what Q's round trip before the
+    # pipeline's first requests costs), also without its merge
+    "balanced": dict(balanced=True),
+    "q_in_loop": dict(q_in_loop=True),
+    "q_in_loop_balanced": dict(q_in_loop=True, balanced=True),
+    "no_q": dict(_no_q=True),
+    "no_q_empty_merge": dict(_no_q=True, _no_combine=True, _empty_dep=True),
     **{p: None for p in PROBES},
 }
 

@@ -133,6 +133,13 @@ KV_BEFORE_WAIT = True
 # 1.028, 192K 1.009 / 1.006 (ab_attention.py, 100 paired rounds; A/A 0.995-1.004), 0.25-0.5 us per
 # call; the q1 step 1.0012 (8K) / 1.0030 (64K) (bench_step.py --ab attn_ml_by_split; A/A 0.9992 / 1.0012).
 ML_BY_ROW = True
+# v2: the splits' key ranges balanced (keyword balanced, ``_split_blocks``): lengths differing by at most
+# one block instead of ceil(blocks / splits) each, so every split works (64K: 132 instead of 128) and the
+# split holding the masked boundary blocks is a short one. Off: not yet measured on the H200.
+BALANCED_SPLITS = False
+# v2: Q loaded in every unmasked key block beside K and V (keyword q_in_loop, ``_split_partial_v2``), so
+# that the pipeline's first K/V requests do not wait for Q's round trip. Off: not yet measured on the H200.
+Q_IN_LOOP = False
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -189,17 +196,56 @@ def _key_range(start, W, WINDOW, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _split_blocks(split, n_blocks, per_split, NUM_SPLITS, BALANCED: tl.constexpr):
+    """Key blocks [b_begin, b_end) of split ``split``. Default: ``per_split`` = ceil(n_blocks / splits)
+    each, so the last active splits may be short and ceil-rounding leaves splits empty (64K: 128 of
+    132). ``BALANCED``: contiguous ranges whose lengths differ by at most one block, the longer first:
+    every split works once n_blocks >= NUM_SPLITS, and the range's last split (which holds the masked
+    boundary blocks) is a short one."""
+    if BALANCED:
+        q = n_blocks // NUM_SPLITS
+        r = n_blocks % NUM_SPLITS
+        b_begin = split * q + tl.minimum(split, r)
+        b_end = b_begin + q + (split < r).to(tl.int32)
+    else:
+        b_begin = split * per_split
+        b_end = tl.minimum(b_begin + per_split, n_blocks)
+    return b_begin, b_end
+
+
+@triton.jit
+def _active_splits(n_blocks, per_split, NUM_SPLITS, BALANCED: tl.constexpr):
+    """How many splits hold key blocks (a prefix of the grid) under ``_split_blocks``."""
+    if BALANCED:
+        return tl.minimum(n_blocks, NUM_SPLITS)
+    else:
+        return tl.cdiv(n_blocks, per_split)
+
+
+@triton.jit
+def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+            NO_Q: tl.constexpr = False):
     """The packed Q tile of KV head ``kvh``: row m = (live row m // G, head kvh * G + m % G);
-    rows past W * G are zero. Returns (q, live row of each packed row, row valid)."""
+    rows past W * G are zero. Returns (q, live row of each packed row, row valid). ``NO_Q``
+    (measurement only, the result is wrong): no load; a zero tile derived from the run-time ``W``, so
+    that the compiler cannot fold the products that consume it."""
+    q_ptrs, row_i, row_ok = _q_ptrs(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
+    if NO_Q:
+        q = (tl.zeros([BLOCK_M, HEAD_DIM], tl.float32) + (W > 1 << 30).to(tl.float32)).to(Q.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    return q, row_i, row_ok
+
+
+@triton.jit
+def _q_ptrs(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Addresses of ``_load_q``'s packed Q tile, the live row of each packed row, row valid."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_i = offs_m // G
     head = kvh * G + offs_m % G
     row_ok = offs_m < W * G
-    q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    return q, row_i, row_ok
+    return Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :], row_i, row_ok
 
 
 @triton.jit
@@ -334,7 +380,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
                       b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr,
                       KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1,
-                      NO_STORE: tl.constexpr = False):
+                      NO_STORE: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False):
     """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
     below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
     it (all but the last one or two of the range) run a loop without masks, without the -inf
@@ -342,7 +388,11 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     softmax scale folded into the exponent (exp2(s * scale - m): one FMA); the remaining blocks
     (and every block of a ring, whose window bound and slot wrap can bind anywhere) take
     ``_masked_block``. Same partials as v1 up to the rounding of s * scale. ``MID_BUG`` (negative
-    control of the tests) runs every block below the range's end unmasked, the causal boundary too."""
+    control of the tests) runs every block below the range's end unmasked, the causal boundary too.
+    ``Q_IN_LOOP``: ``q`` holds the Q tile's addresses (``_q_ptrs``), not the tile; the unmasked loop
+    loads Q in every block beside K and V (from L2 after the first), so the software pipeline's
+    first K/V requests go out together with Q's instead of after its round trip and shared-memory
+    store; the masked blocks load it once more before their loop."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
@@ -361,7 +411,10 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
             k = KD.load([kvh * R + b * BLOCK_N, 0])
         else:
             k = tl.load(k_ptrs)
-        s = tl.dot(q, tl.trans(k))
+        if Q_IN_LOOP:   # (b >> 30: zero at run time, but it keeps the load inside the loop)
+            s = tl.dot(tl.load(q + (b >> 30) * HEAD_DIM, mask=row_ok[:, None], other=0.0), tl.trans(k))
+        else:
+            s = tl.dot(q, tl.trans(k))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
         p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -374,6 +427,8 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
+    if Q_IN_LOOP:
+        q = tl.load(q, mask=row_ok[:, None], other=0.0)
     for b in tl.range(b_mid, b_end, num_stages=1):
         m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
                                       seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
@@ -404,7 +459,8 @@ def _attn_split_v2_kernel(
     MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
     KV_FIRST: tl.constexpr = 0, KV_BEFORE_WAIT: tl.constexpr = False, _EARLY_BUG: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False, _NO_STORE: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False, _NO_STORE: tl.constexpr = False, BALANCED: tl.constexpr = False,
+    _NO_Q: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -420,6 +476,8 @@ def _attn_split_v2_kernel(
     4K ring or an 8K cache) requests its first block's K and V before Q and runs every block with
     the masks: Q's round trip, which precedes the pipelined loop's first loads, overlaps the K/V one.
     ``ML_BY_ROW``: the partials' m and l in the combine's order (see ``_store_partial``).
+    ``BALANCED``: the partition of ``_split_blocks`` (the combine must be told the same).
+    ``_NO_Q``: see ``_load_q`` (measurement only). ``Q_IN_LOOP``: see ``_split_partial_v2``.
     ``TIMELINE``: diagnostic records into ``TL`` (see TIMELINE_FIELDS)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -427,8 +485,7 @@ def _attn_split_v2_kernel(
     _stamp(TL, prog, 1, TIMELINE)
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
-    b_begin = split * per_split
-    b_end = tl.minimum(b_begin + per_split, n_blocks)
+    b_begin, b_end = _split_blocks(split, n_blocks, per_split, NUM_SPLITS, BALANCED)
     if TAIL_PREFETCH and not IS_RING:   # the boundary blocks (masked loop, not pipelined) into L2
         b_mid = tl.maximum(tl.minimum(b_end, start // BLOCK_N), b_begin)
         for j in tl.static_range(2):
@@ -462,7 +519,7 @@ def _attn_split_v2_kernel(
             k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
             k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R,
                                            IS_RING, BLOCK_N, HEAD_DIM)
-        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM, _NO_Q)
         q_pos = start + row_i
         m_i, l_i, acc = _masked_update(q, q_pos, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc, WINDOW, IS_RING)
         for b in tl.range(b_begin + 1, b_end, num_stages=1):
@@ -471,13 +528,16 @@ def _attn_split_v2_kernel(
         _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
                        m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS, _NO_STORE)
     else:
-        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
+        if Q_IN_LOOP:   # the addresses: the loop loads the tile
+            q_arg, row_i, row_ok = _q_ptrs(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
+        else:
+            q_arg, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM, _NO_Q)
         if b_begin < b_end:
-            _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
+            _split_partial_v2(q_arg, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                               stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                               qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
                               IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA, ML_BY_ROW, NUM_SPLITS,
-                              _NO_STORE)
+                              _NO_STORE, Q_IN_LOOP)
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -492,7 +552,7 @@ def _attn_combine_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
     TL_BASE: tl.constexpr = 0, TRIGGER: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False, BALANCED: tl.constexpr = False,
 ):
     """Program (row, d-slice) merges the splits' partials of one packed row. ``ONE_LOAD`` (needs
     SUB_S == BLOCK_S): every partial's m, l and acc slice is requested at once after the wait, so
@@ -511,7 +571,7 @@ def _attn_combine_kernel(
     m_row = i * G + h % G
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
-    n_active = tl.cdiv(n_blocks, per_split)
+    n_active = _active_splits(n_blocks, per_split, NUM_SPLITS, BALANCED)
     if HAS_SINK:   # a weight: not written by the split kernel
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
     if PDL:   # launched as a programmatic dependent of the split kernel: its partials are complete
@@ -684,7 +744,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
             kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False,
-            _no_store=False, _no_combine=False):
+            _no_store=False, _no_combine=False, balanced=None, _balanced_bug=False, _no_q=False, q_in_loop=None):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -750,6 +810,13 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     pdl = pdl_supported(q.device) and (PDL if pdl is None else bool(pdl))
     check(not _mid_bug or variant == "v2", "_mid_bug: v2 only")
     check(not _no_store or variant == "v2", "_no_store: v2 only")
+    check(not _no_q or variant == "v2", "_no_q: v2 only")
+    balanced = (BALANCED_SPLITS and variant == "v2") if balanced is None else bool(balanced)
+    check(not balanced or variant == "v2", "balanced: v2 only")
+    check(not _balanced_bug or balanced, "_balanced_bug: with balanced")
+    q_in_loop = (Q_IN_LOOP and variant == "v2") if q_in_loop is None else bool(q_in_loop)
+    check(not q_in_loop or variant == "v2", "q_in_loop: v2 only")
+    check(not (q_in_loop and _no_q), "_no_q: without q_in_loop")
     # _pdl_no_wait (negative control of the tests): the combine is launched early but skips its wait.
     prefetch = PREFETCH_BLOCKS if prefetch is None else int(prefetch)
     check(prefetch >= 0, "prefetch >= 0")
@@ -776,7 +843,8 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
                                                         KV_BEFORE_WAIT=(pdl and KV_BEFORE_WAIT) if kv_before_wait is None
                                                         else bool(kv_before_wait),
                                                         _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row,
-                                                        _NO_STORE=bool(_no_store)))
+                                                        _NO_STORE=bool(_no_store), BALANCED=balanced,
+                                                        _NO_Q=bool(_no_q), Q_IN_LOOP=q_in_loop))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -805,18 +873,20 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     _combine(acc, ml, sinks, out, start_pos, tl_buf, w=w, ring=ring, window=window, block_n=block_n,
              block_d=block_d, combine_block_s=combine_block_s, pdl=pdl, wait=not _pdl_no_wait,
              tl_base=num_splits * nkv if timeline else None, trigger=bool(_combine_trigger),
-             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug)
+             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug,
+             balanced=balanced and not _balanced_bug)
     return out
 
 
 def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, block_n, block_d=None,
              combine_block_s=None, pdl, wait=True, tl_base=None, trigger=False, one_load=None, num_warps=None,
-             ml_by_row=False, _ml_bug=False):
+             ml_by_row=False, _ml_bug=False, balanced=False):
     """The combine launch over partials ``acc`` [nkv, splits, block_m, d] / ``ml`` [nkv, splits, 2,
     block_m] (the split kernels' layout; ``ml_by_row``: [nkv, 2, block_m, splits]) into ``out`` [w, nh,
     d]; ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``:
     as a programmatic dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
-    ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline). The
+    ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline);
+    ``balanced``: the splits' partition is ``_split_blocks``' balanced one (the split's BALANCED). The
     options left None take the module's COMBINE_* defaults."""
     nkv, num_splits, block_m, d = acc.shape
     nh = out.shape[1]
@@ -838,7 +908,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s,
         SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and wait, TIMELINE=tl_base is not None,
         ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if one_load is None else bool(one_load)),
-        TL_BASE=tl_base or 0, TRIGGER=pdl and trigger, ML_BY_ROW=bool(ml_by_row),
+        TL_BASE=tl_base or 0, TRIGGER=pdl and trigger, ML_BY_ROW=bool(ml_by_row), BALANCED=bool(balanced),
         num_warps=COMBINE_NUM_WARPS if num_warps is None else int(num_warps),
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -847,7 +917,8 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
+                          balanced=None, q_in_loop=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -873,20 +944,23 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     by a kernel that may still run when the call's predecessor begins. ``block_n`` / ``num_stages``:
     keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES). ``ml_by_row`` (v2):
     the partials' m and l stored in the combine's order (None: ML_BY_ROW; False: by split, the layout
-    before session 29); the same values.
+    before session 29); the same values. ``balanced`` (v2): the splits' key ranges of ``_split_blocks``
+    (None: BALANCED_SPLITS). ``q_in_loop`` (v2): Q loaded beside K and V in every unmasked key block
+    (``_split_partial_v2``; None: Q_IN_LOOP); the same values.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row)
+                   ml_by_row=ml_by_row, balanced=balanced, q_in_loop=q_in_loop)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
+                          balanced=None, q_in_loop=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -897,7 +971,7 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row)
+                   ml_by_row=ml_by_row, balanced=balanced, q_in_loop=q_in_loop)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,
