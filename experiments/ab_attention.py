@@ -195,6 +195,9 @@ CONFIGS = {
     "q_in_loop_balanced": dict(q_in_loop=True, balanced=True),
     "no_q": dict(_no_q=True),
     "no_q_empty_merge": dict(_no_q=True, _no_combine=True, _empty_dep=True),
+    # session 32: 16 / 33 / 66 splits (a quarter of the SMs or fewer each stream 2-8x the blocks): if a
+    # split's time per key block stays near the full grid's ~1 us, its arithmetic, not DRAM, sets the pace
+    **{f"ns{n}": dict(num_splits=n) for n in (16, 33, 66)},
     **{p: None for p in PROBES},
 }
 
