@@ -137,9 +137,11 @@ ML_BY_ROW = True
 # one block instead of ceil(blocks / splits) each, so every split works (64K: 132 instead of 128) and the
 # split holding the masked boundary blocks is a short one. Off: not yet measured on the H200.
 BALANCED_SPLITS = False
-# v2: Q loaded in every unmasked key block beside K and V (keyword q_in_loop, ``_split_partial_v2``), so
-# that the pipeline's first K/V requests do not wait for Q's round trip. Off: not yet measured on the H200.
-Q_IN_LOOP = False
+# v2: the unmasked loop's Q K^T of the next block issued before this block's softmax and P V (keyword
+# qk_ahead), so that the tensor cores work while the warps do the softmax: one warp per scheduler
+# cannot hide the chain QK -> max -> exp2 -> sum -> PV otherwise (~0.8 us per 64-key block measured with
+# the DRAM idle, session 32). Off: not yet measured.
+QK_AHEAD = False
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -229,23 +231,17 @@ def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.conste
     rows past W * G are zero. Returns (q, live row of each packed row, row valid). ``NO_Q``
     (measurement only, the result is wrong): no load; a zero tile derived from the run-time ``W``, so
     that the compiler cannot fold the products that consume it."""
-    q_ptrs, row_i, row_ok = _q_ptrs(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
-    if NO_Q:
-        q = (tl.zeros([BLOCK_M, HEAD_DIM], tl.float32) + (W > 1 << 30).to(tl.float32)).to(Q.dtype.element_ty)
-    else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    return q, row_i, row_ok
-
-
-@triton.jit
-def _q_ptrs(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Addresses of ``_load_q``'s packed Q tile, the live row of each packed row, row valid."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_i = offs_m // G
     head = kvh * G + offs_m % G
     row_ok = offs_m < W * G
-    return Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :], row_i, row_ok
+    if NO_Q:
+        q = (tl.zeros([BLOCK_M, HEAD_DIM], tl.float32) + (W > 1 << 30).to(tl.float32)).to(Q.dtype.element_ty)
+    else:
+        q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+    return q, row_i, row_ok
 
 
 @triton.jit
@@ -380,7 +376,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
                       b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr,
                       KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1,
-                      NO_STORE: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False):
+                      NO_STORE: tl.constexpr = False, QK_AHEAD: tl.constexpr = False):
     """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
     below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
     it (all but the last one or two of the range) run a loop without masks, without the -inf
@@ -389,10 +385,12 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     (and every block of a ring, whose window bound and slot wrap can bind anywhere) take
     ``_masked_block``. Same partials as v1 up to the rounding of s * scale. ``MID_BUG`` (negative
     control of the tests) runs every block below the range's end unmasked, the causal boundary too.
-    ``Q_IN_LOOP``: ``q`` holds the Q tile's addresses (``_q_ptrs``), not the tile; the unmasked loop
-    loads Q in every block beside K and V (from L2 after the first), so the software pipeline's
-    first K/V requests go out together with Q's instead of after its round trip and shared-memory
-    store; the masked blocks load it once more before their loop."""
+    ``QK_AHEAD`` (pointer loads only): the unmasked loop runs one iteration more; iteration i issues
+    S(i) = Q K(i)^T and then, while the tensor cores compute it, does the softmax and P V of block
+    i - 1 (the first iteration's "block b_begin - 1" has S = -inf: P = 0, alpha = 1, so it changes
+    nothing; the last iteration's S is a repeat of the last block and unused). One warp per scheduler
+    cannot hide the chain QK -> max -> exp2 -> sum -> PV otherwise. The same operations on the same
+    values as the default loop: the same bits."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
@@ -406,15 +404,30 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     row0 = (b_begin * BLOCK_N + offs_n).to(tl.int64)
     k_ptrs = k_base + row0[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = v_base + row0[:, None] * stride_vn + offs_d[None, :]
-    for b in range(b_begin, b_mid):
+    if QK_AHEAD:   # iteration i: S(i) = Q K(i)^T issued, then the softmax and P V of block i - 1
+        s = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)   # block b_begin - 1: P = 0
+        for i in range(b_begin, tl.where(b_mid > b_begin, b_mid + 1, b_begin)):
+            k = tl.load(k_ptrs)   # K(min(i, b_mid - 1)): the last S is not used
+            s_next = tl.dot(q, tl.trans(k))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+            p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptrs)   # V(max(i - 1, b_begin)): at i = b_begin its P is zero
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+            s = s_next
+            k_ptrs += (i + 1 < b_mid).to(tl.int32) * (BLOCK_N * stride_kn)
+            v_ptrs += (i > b_begin).to(tl.int32) * (BLOCK_N * stride_vn)
+        b_loop_end = b_begin
+    else:
+        b_loop_end = b_mid
+    for b in range(b_begin, b_loop_end):
         if TMA:   # rows of the [nkv * R, d] views
             k = KD.load([kvh * R + b * BLOCK_N, 0])
         else:
             k = tl.load(k_ptrs)
-        if Q_IN_LOOP:   # (b >> 30: zero at run time, but it keeps the load inside the loop)
-            s = tl.dot(tl.load(q + (b >> 30) * HEAD_DIM, mask=row_ok[:, None], other=0.0), tl.trans(k))
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
         p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -427,8 +440,6 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    if Q_IN_LOOP:
-        q = tl.load(q, mask=row_ok[:, None], other=0.0)
     for b in tl.range(b_mid, b_end, num_stages=1):
         m_i, l_i, acc = _masked_block(q, q_pos, k_base, v_base, stride_kn, stride_vn, qk_scale_log2, lo,
                                       seq_end, b, m_i, l_i, acc, WINDOW, R, IS_RING, BLOCK_N, HEAD_DIM)
@@ -460,7 +471,7 @@ def _attn_split_v2_kernel(
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
     KV_FIRST: tl.constexpr = 0, KV_BEFORE_WAIT: tl.constexpr = False, _EARLY_BUG: tl.constexpr = False,
     ML_BY_ROW: tl.constexpr = False, _NO_STORE: tl.constexpr = False, BALANCED: tl.constexpr = False,
-    _NO_Q: tl.constexpr = False, Q_IN_LOOP: tl.constexpr = False,
+    _NO_Q: tl.constexpr = False, QK_AHEAD: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -477,7 +488,7 @@ def _attn_split_v2_kernel(
     the masks: Q's round trip, which precedes the pipelined loop's first loads, overlaps the K/V one.
     ``ML_BY_ROW``: the partials' m and l in the combine's order (see ``_store_partial``).
     ``BALANCED``: the partition of ``_split_blocks`` (the combine must be told the same).
-    ``_NO_Q``: see ``_load_q`` (measurement only). ``Q_IN_LOOP``: see ``_split_partial_v2``.
+    ``_NO_Q``: see ``_load_q`` (measurement only). ``QK_AHEAD``: see ``_split_partial_v2``.
     ``TIMELINE``: diagnostic records into ``TL`` (see TIMELINE_FIELDS)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -528,16 +539,13 @@ def _attn_split_v2_kernel(
         _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
                        m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS, _NO_STORE)
     else:
-        if Q_IN_LOOP:   # the addresses: the loop loads the tile
-            q_arg, row_i, row_ok = _q_ptrs(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
-        else:
-            q_arg, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM, _NO_Q)
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM, _NO_Q)
         if b_begin < b_end:
-            _split_partial_v2(q_arg, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
+            _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                               stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                               qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
                               IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA, ML_BY_ROW, NUM_SPLITS,
-                              _NO_STORE, Q_IN_LOOP)
+                              _NO_STORE, QK_AHEAD)
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -744,7 +752,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
             kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False,
-            _no_store=False, _no_combine=False, balanced=None, _balanced_bug=False, _no_q=False, q_in_loop=None):
+            _no_store=False, _no_combine=False, balanced=None, _balanced_bug=False, _no_q=False, qk_ahead=None):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -814,9 +822,9 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     balanced = (BALANCED_SPLITS and variant == "v2") if balanced is None else bool(balanced)
     check(not balanced or variant == "v2", "balanced: v2 only")
     check(not _balanced_bug or balanced, "_balanced_bug: with balanced")
-    q_in_loop = (Q_IN_LOOP and variant == "v2") if q_in_loop is None else bool(q_in_loop)
-    check(not q_in_loop or variant == "v2", "q_in_loop: v2 only")
-    check(not (q_in_loop and _no_q), "_no_q: without q_in_loop")
+    qk_ahead = (QK_AHEAD and variant == "v2") if qk_ahead is None else bool(qk_ahead)
+    check(not qk_ahead or variant == "v2", "qk_ahead: v2 only")
+    check(not (qk_ahead and (TMA if tma is None else tma)), "qk_ahead: without tma")
     # _pdl_no_wait (negative control of the tests): the combine is launched early but skips its wait.
     prefetch = PREFETCH_BLOCKS if prefetch is None else int(prefetch)
     check(prefetch >= 0, "prefetch >= 0")
@@ -844,7 +852,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
                                                         else bool(kv_before_wait),
                                                         _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row,
                                                         _NO_STORE=bool(_no_store), BALANCED=balanced,
-                                                        _NO_Q=bool(_no_q), Q_IN_LOOP=q_in_loop))
+                                                        _NO_Q=bool(_no_q), QK_AHEAD=qk_ahead))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -918,7 +926,7 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
                           kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
-                          balanced=None, q_in_loop=None):
+                          balanced=None, qk_ahead=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -945,22 +953,22 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES). ``ml_by_row`` (v2):
     the partials' m and l stored in the combine's order (None: ML_BY_ROW; False: by split, the layout
     before session 29); the same values. ``balanced`` (v2): the splits' key ranges of ``_split_blocks``
-    (None: BALANCED_SPLITS). ``q_in_loop`` (v2): Q loaded beside K and V in every unmasked key block
-    (``_split_partial_v2``; None: Q_IN_LOOP); the same values.
+    (None: BALANCED_SPLITS). ``qk_ahead`` (v2): the next key block's Q K^T issued before this block's
+    softmax (``_split_partial_v2``; None: QK_AHEAD); the same values.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row, balanced=balanced, q_in_loop=q_in_loop)
+                   ml_by_row=ml_by_row, balanced=balanced, qk_ahead=qk_ahead)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
                           kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
-                          balanced=None, q_in_loop=None):
+                          balanced=None, qk_ahead=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -971,7 +979,7 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row, balanced=balanced, q_in_loop=q_in_loop)
+                   ml_by_row=ml_by_row, balanced=balanced, qk_ahead=qk_ahead)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -134,7 +134,7 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
 V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
               dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8),
               dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False), dict(balanced=True),
-              dict(q_in_loop=True)]
+              dict(qk_ahead=True), dict(qk_ahead=True, balanced=True)]
 
 
 @pytest.mark.gpu
@@ -431,9 +431,9 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 @pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
                                   dict(kv_first=1), dict(kv_first=4), dict(kv_first=0),
                                   dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False),
-                                  dict(ml_by_row=False), dict(q_in_loop=True), dict(q_in_loop=True, balanced=True)],
+                                  dict(ml_by_row=False), dict(qk_ahead=True), dict(qk_ahead=True, balanced=True)],
                          ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0",
-                              "kv_before_wait", "kv_after_wait", "ml_by_split", "q_in_loop", "q_in_loop_balanced"])
+                              "kv_before_wait", "kv_after_wait", "ml_by_split", "qk_ahead", "qk_ahead_balanced"])
 def test_interp_v2_options(opts):
     """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine, the short
     splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full
@@ -484,12 +484,13 @@ def _balanced_partition(A, shape, cases):
             assert run(A, shape, w, start, seed=start + splits, _balanced_bug=True, **kw) > TOL
 
 
-def _q_in_loop_same_bits(A, shape, dev, seed):
-    """v2 with Q loaded in every key block (``q_in_loop``) gives the default's bits (the same products
-    of the same values), full (long and short ranges, a masked tail) and ring; the negative control,
-    the split with no Q at all (``_no_q``, measurement only), is far off the reference."""
+def _qk_ahead_same_bits(A, shape, dev, seed):
+    """v2 with the next block's Q K^T issued ahead of this block's softmax (``qk_ahead``) gives the
+    default's bits (the same operations on the same values), full (long and short ranges, a masked
+    tail, one unmasked block) and ring; the negative control, the split with no Q at all (``_no_q``,
+    measurement only), is far off the reference."""
     common = dict(num_splits=5, variant="v2")
-    for ring, start in ((False, 900), (False, 40), (True, 1300)):
+    for ring, start in ((False, 900), (False, 40), (False, 5 * 64 * 2 - 70), (True, 1300)):
         if ring:
             q, hk, hv, k, v, sinks = make_ring(6, shape["nh"], shape["nkv"], shape["d"], start, shape["window"],
                                                 shape["window"] + 64, seed)
@@ -498,7 +499,7 @@ def _q_in_loop_same_bits(A, shape, dev, seed):
             q, k, v, sinks = make_full(6, shape["nh"], shape["nkv"], shape["d"], start, seed)
             ref = A.attention_reference(q, k, v, start, sinks)
         outs = []
-        for kw in (dict(), dict(q_in_loop=True), dict(_no_q=True)):
+        for kw in (dict(), dict(qk_ahead=True), dict(_no_q=True)):
             out = torch.full_like(q, float("nan"))
             A._launch(q, k, v, _start(start, dev), sinks, out, ring=ring, window=shape["window"] if ring else 0,
                       **common, **kw)
@@ -509,13 +510,13 @@ def _q_in_loop_same_bits(A, shape, dev, seed):
 
 
 @pytest.mark.gpu
-def test_q_in_loop_same_bits_q1():
-    _q_in_loop_same_bits(load_kernels("attention"), Q1, "cuda", seed=31)
+def test_qk_ahead_same_bits_q1():
+    _qk_ahead_same_bits(load_kernels("attention"), Q1, "cuda", seed=31)
 
 
 @cpu_only
-def test_interp_q_in_loop_same_bits():
-    _q_in_loop_same_bits(load_kernels("attention"), MINI, "cpu", seed=32)
+def test_interp_qk_ahead_same_bits():
+    _qk_ahead_same_bits(load_kernels("attention"), MINI, "cpu", seed=32)
 
 
 @pytest.mark.gpu
