@@ -187,17 +187,8 @@ CONFIGS = {
     "no_store": dict(_no_store=True),
     "empty_merge": dict(_no_combine=True, _empty_dep=True),
     "no_store_empty_merge": dict(_no_store=True, _no_combine=True, _empty_dep=True),
-    # session 32: candidates, the splits' balanced key ranges and the next block's Q K^T issued ahead;
-    # measurement only, the split without Q's load (a zero tile: what Q's round trip before the
-    # pipeline's first requests costs), also without its merge
-    "balanced": dict(balanced=True),
-    "qk_ahead": dict(qk_ahead=True),
-    "qk_ahead_balanced": dict(qk_ahead=True, balanced=True),
-    "ns33_qk_ahead": dict(num_splits=33, qk_ahead=True),
-    "no_q": dict(_no_q=True),
-    "no_q_empty_merge": dict(_no_q=True, _no_combine=True, _empty_dep=True),
-    # session 32: 16 / 33 / 66 splits (a quarter of the SMs or fewer each stream 2-8x the blocks): if a
-    # split's time per key block stays near the full grid's ~1 us, its arithmetic, not DRAM, sets the pace
+    # session 32: 16 / 33 / 66 splits (a quarter of the SMs or fewer, each streaming 2-8x the blocks): a
+    # split's time per key block with the DRAM lightly loaded, i.e. the rate one SM's split can sustain
     **{f"ns{n}": dict(num_splits=n) for n in (16, 33, 66)},
     **{p: None for p in PROBES},
 }

@@ -515,11 +515,6 @@ AB_VARIANTS = {
     # since session 29) / by split (the layout before)
     "attn_ml_by_row": lambda rnd: _attn_opts(rnd, ml_by_row=True),
     "attn_ml_by_split": lambda rnd: _attn_opts(rnd, ml_by_row=False),
-    # session 32: the splits' balanced key ranges (attention balanced) and the next key block's Q K^T issued
-    # ahead of this block's softmax (attention qk_ahead); defaults attention.BALANCED_SPLITS / QK_AHEAD
-    "attn_balanced": lambda rnd: _attn_opts(rnd, balanced=True),
-    "attn_qk_ahead": lambda rnd: _attn_opts(rnd, qk_ahead=True),
-    "attn_qk_ahead_balanced": lambda rnd: _attn_opts(rnd, qk_ahead=True, balanced=True),
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
     **{f"attn_ns{n}": (lambda rnd, n=n: _attn_opts(rnd, num_splits=n)) for n in (66, 264)},
     # the attention split's keys per block and pipeline stages (defaults BLOCK_N 64, NUM_STAGES 4):

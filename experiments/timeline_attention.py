@@ -57,9 +57,6 @@ CONFIGS = {
     "trigger": dict(_combine_trigger=True),
     "trigger_pf2": dict(_combine_trigger=True, prefetch=2),
     "tma_tailpf_trigger_pf2": dict(tma=True, tail_prefetch=True, _combine_trigger=True, prefetch=2),
-    "balanced": dict(balanced=True),   # session 32 (ab_attention.py's configs of the same names)
-    "qk_ahead": dict(qk_ahead=True),
-    "no_q": dict(_no_q=True),
 }
 
 

@@ -133,15 +133,6 @@ KV_BEFORE_WAIT = True
 # 1.028, 192K 1.009 / 1.006 (ab_attention.py, 100 paired rounds; A/A 0.995-1.004), 0.25-0.5 us per
 # call; the q1 step 1.0012 (8K) / 1.0030 (64K) (bench_step.py --ab attn_ml_by_split; A/A 0.9992 / 1.0012).
 ML_BY_ROW = True
-# v2: the splits' key ranges balanced (keyword balanced, ``_split_blocks``): lengths differing by at most
-# one block instead of ceil(blocks / splits) each, so every split works (64K: 132 instead of 128) and the
-# split holding the masked boundary blocks is a short one. Off: not yet measured on the H200.
-BALANCED_SPLITS = False
-# v2: the unmasked loop's Q K^T of the next block issued before this block's softmax and P V (keyword
-# qk_ahead), so that the tensor cores work while the warps do the softmax: one warp per scheduler
-# cannot hide the chain QK -> max -> exp2 -> sum -> PV otherwise (~0.8 us per 64-key block measured with
-# the DRAM idle, session 32). Off: not yet measured.
-QK_AHEAD = False
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -198,49 +189,16 @@ def _key_range(start, W, WINDOW, IS_RING: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _split_blocks(split, n_blocks, per_split, NUM_SPLITS, BALANCED: tl.constexpr):
-    """Key blocks [b_begin, b_end) of split ``split``. Default: ``per_split`` = ceil(n_blocks / splits)
-    each, so the last active splits may be short and ceil-rounding leaves splits empty (64K: 128 of
-    132). ``BALANCED``: contiguous ranges whose lengths differ by at most one block, the longer first:
-    every split works once n_blocks >= NUM_SPLITS, and the range's last split (which holds the masked
-    boundary blocks) is a short one."""
-    if BALANCED:
-        q = n_blocks // NUM_SPLITS
-        r = n_blocks % NUM_SPLITS
-        b_begin = split * q + tl.minimum(split, r)
-        b_end = b_begin + q + (split < r).to(tl.int32)
-    else:
-        b_begin = split * per_split
-        b_end = tl.minimum(b_begin + per_split, n_blocks)
-    return b_begin, b_end
-
-
-@triton.jit
-def _active_splits(n_blocks, per_split, NUM_SPLITS, BALANCED: tl.constexpr):
-    """How many splits hold key blocks (a prefix of the grid) under ``_split_blocks``."""
-    if BALANCED:
-        return tl.minimum(n_blocks, NUM_SPLITS)
-    else:
-        return tl.cdiv(n_blocks, per_split)
-
-
-@triton.jit
-def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-            NO_Q: tl.constexpr = False):
+def _load_q(Q, kvh, W, stride_qw, stride_qh, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The packed Q tile of KV head ``kvh``: row m = (live row m // G, head kvh * G + m % G);
-    rows past W * G are zero. Returns (q, live row of each packed row, row valid). ``NO_Q``
-    (measurement only, the result is wrong): no load; a zero tile derived from the run-time ``W``, so
-    that the compiler cannot fold the products that consume it."""
+    rows past W * G are zero. Returns (q, live row of each packed row, row valid)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_i = offs_m // G
     head = kvh * G + offs_m % G
     row_ok = offs_m < W * G
-    if NO_Q:
-        q = (tl.zeros([BLOCK_M, HEAD_DIM], tl.float32) + (W > 1 << 30).to(tl.float32)).to(Q.dtype.element_ty)
-    else:
-        q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + row_i[:, None] * stride_qw + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
     return q, row_i, row_ok
 
 
@@ -376,7 +334,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
                       b_begin, b_end, WINDOW, R, IS_RING: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MID_BUG: tl.constexpr,
                       KD, VD, TMA: tl.constexpr, ML_BY_ROW: tl.constexpr = False, NUM_SPLITS=1,
-                      NO_STORE: tl.constexpr = False, QK_AHEAD: tl.constexpr = False):
+                      NO_STORE: tl.constexpr = False):
     """``_split_partial`` with the mask work only where a mask can bind. In a full layer every key
     below ``start`` is visible to every row and lies inside the range, so the blocks wholly below
     it (all but the last one or two of the range) run a loop without masks, without the -inf
@@ -384,13 +342,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     softmax scale folded into the exponent (exp2(s * scale - m): one FMA); the remaining blocks
     (and every block of a ring, whose window bound and slot wrap can bind anywhere) take
     ``_masked_block``. Same partials as v1 up to the rounding of s * scale. ``MID_BUG`` (negative
-    control of the tests) runs every block below the range's end unmasked, the causal boundary too.
-    ``QK_AHEAD`` (pointer loads only): the unmasked loop runs one iteration more; iteration i issues
-    S(i) = Q K(i)^T and then, while the tensor cores compute it, does the softmax and P V of block
-    i - 1 (the first iteration's "block b_begin - 1" has S = -inf: P = 0, alpha = 1, so it changes
-    nothing; the last iteration's S is a repeat of the last block and unused). One warp per scheduler
-    cannot hide the chain QK -> max -> exp2 -> sum -> PV otherwise. The same operations on the same
-    values as the default loop: the same bits."""
+    control of the tests) runs every block below the range's end unmasked, the causal boundary too."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
@@ -404,25 +356,7 @@ def _split_partial_v2(q, q_pos, row_ok, K, V, ACC, ML, kvh, split, stride_kh, st
     row0 = (b_begin * BLOCK_N + offs_n).to(tl.int64)
     k_ptrs = k_base + row0[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = v_base + row0[:, None] * stride_vn + offs_d[None, :]
-    if QK_AHEAD:   # iteration i: S(i) = Q K(i)^T issued, then the softmax and P V of block i - 1
-        s = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)   # block b_begin - 1: P = 0
-        for i in range(b_begin, tl.where(b_mid > b_begin, b_mid + 1, b_begin)):
-            k = tl.load(k_ptrs)   # K(min(i, b_mid - 1)): the last S is not used
-            s_next = tl.dot(q, tl.trans(k))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
-            p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptrs)   # V(max(i - 1, b_begin)): at i = b_begin its P is zero
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-            s = s_next
-            k_ptrs += (i + 1 < b_mid).to(tl.int32) * (BLOCK_N * stride_kn)
-            v_ptrs += (i > b_begin).to(tl.int32) * (BLOCK_N * stride_vn)
-        b_loop_end = b_begin
-    else:
-        b_loop_end = b_mid
-    for b in range(b_begin, b_loop_end):
+    for b in range(b_begin, b_mid):
         if TMA:   # rows of the [nkv * R, d] views
             k = KD.load([kvh * R + b * BLOCK_N, 0])
         else:
@@ -470,8 +404,7 @@ def _attn_split_v2_kernel(
     MID_BUG: tl.constexpr = False, PREFETCH: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
     TAIL_PREFETCH: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
     KV_FIRST: tl.constexpr = 0, KV_BEFORE_WAIT: tl.constexpr = False, _EARLY_BUG: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False, _NO_STORE: tl.constexpr = False, BALANCED: tl.constexpr = False,
-    _NO_Q: tl.constexpr = False, QK_AHEAD: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False, _NO_STORE: tl.constexpr = False,
 ):
     """v2 split: the key blocks go through ``_split_partial_v2``. Without ``PDL`` the Q tile's load
     is issued together with start_pos's (it does not depend on it). With ``PDL`` the kernel is a
@@ -487,8 +420,6 @@ def _attn_split_v2_kernel(
     4K ring or an 8K cache) requests its first block's K and V before Q and runs every block with
     the masks: Q's round trip, which precedes the pipelined loop's first loads, overlaps the K/V one.
     ``ML_BY_ROW``: the partials' m and l in the combine's order (see ``_store_partial``).
-    ``BALANCED``: the partition of ``_split_blocks`` (the combine must be told the same).
-    ``_NO_Q``: see ``_load_q`` (measurement only). ``QK_AHEAD``: see ``_split_partial_v2``.
     ``TIMELINE``: diagnostic records into ``TL`` (see TIMELINE_FIELDS)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -496,7 +427,8 @@ def _attn_split_v2_kernel(
     _stamp(TL, prog, 1, TIMELINE)
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
-    b_begin, b_end = _split_blocks(split, n_blocks, per_split, NUM_SPLITS, BALANCED)
+    b_begin = split * per_split
+    b_end = tl.minimum(b_begin + per_split, n_blocks)
     if TAIL_PREFETCH and not IS_RING:   # the boundary blocks (masked loop, not pipelined) into L2
         b_mid = tl.maximum(tl.minimum(b_end, start // BLOCK_N), b_begin)
         for j in tl.static_range(2):
@@ -530,7 +462,7 @@ def _attn_split_v2_kernel(
             k_base, v_base, m_i, l_i, acc = _split_start(K, V, kvh, stride_kh, stride_vh, BLOCK_M, HEAD_DIM)
             k, v, pos, key_ok = _masked_kv(k_base, v_base, stride_kn, stride_vn, lo, seq_end, b_begin, R,
                                            IS_RING, BLOCK_N, HEAD_DIM)
-        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM, _NO_Q)
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
         q_pos = start + row_i
         m_i, l_i, acc = _masked_update(q, q_pos, k, v, pos, key_ok, qk_scale_log2, m_i, l_i, acc, WINDOW, IS_RING)
         for b in tl.range(b_begin + 1, b_end, num_stages=1):
@@ -539,13 +471,13 @@ def _attn_split_v2_kernel(
         _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_mh, stride_ms, row_ok,
                        m_i, l_i, acc, BLOCK_M, HEAD_DIM, ML_BY_ROW, NUM_SPLITS, _NO_STORE)
     else:
-        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM, _NO_Q)
+        q, row_i, row_ok = _load_q(Q, kvh, W, stride_qw, stride_qh, G, BLOCK_M, HEAD_DIM)
         if b_begin < b_end:
             _split_partial_v2(q, start + row_i, row_ok, K, V, ACC, ML, kvh, split, stride_kh, stride_kn,
                               stride_vh, stride_vn, stride_ah, stride_as, stride_am, stride_mh, stride_ms,
                               qk_scale_log2, start, lo, seq_end, b_begin, b_end, WINDOW, R,
                               IS_RING, BLOCK_M, BLOCK_N, HEAD_DIM, MID_BUG, KD, VD, TMA, ML_BY_ROW, NUM_SPLITS,
-                              _NO_STORE, QK_AHEAD)
+                              _NO_STORE)
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -560,7 +492,7 @@ def _attn_combine_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
     TL_BASE: tl.constexpr = 0, TRIGGER: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False, BALANCED: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False,
 ):
     """Program (row, d-slice) merges the splits' partials of one packed row. ``ONE_LOAD`` (needs
     SUB_S == BLOCK_S): every partial's m, l and acc slice is requested at once after the wait, so
@@ -579,7 +511,7 @@ def _attn_combine_kernel(
     m_row = i * G + h % G
     start = tl.load(START).to(tl.int32)
     lo, seq_end, n_blocks, per_split = _key_range(start, W, WINDOW, IS_RING, BLOCK_N, NUM_SPLITS)
-    n_active = _active_splits(n_blocks, per_split, NUM_SPLITS, BALANCED)
+    n_active = tl.cdiv(n_blocks, per_split)
     if HAS_SINK:   # a weight: not written by the split kernel
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
     if PDL:   # launched as a programmatic dependent of the split kernel: its partials are complete
@@ -752,7 +684,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
             kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False,
-            _no_store=False, _no_combine=False, balanced=None, _balanced_bug=False, _no_q=False, qk_ahead=None):
+            _no_store=False, _no_combine=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -818,13 +750,6 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     pdl = pdl_supported(q.device) and (PDL if pdl is None else bool(pdl))
     check(not _mid_bug or variant == "v2", "_mid_bug: v2 only")
     check(not _no_store or variant == "v2", "_no_store: v2 only")
-    check(not _no_q or variant == "v2", "_no_q: v2 only")
-    balanced = (BALANCED_SPLITS and variant == "v2") if balanced is None else bool(balanced)
-    check(not balanced or variant == "v2", "balanced: v2 only")
-    check(not _balanced_bug or balanced, "_balanced_bug: with balanced")
-    qk_ahead = (QK_AHEAD and variant == "v2") if qk_ahead is None else bool(qk_ahead)
-    check(not qk_ahead or variant == "v2", "qk_ahead: v2 only")
-    check(not (qk_ahead and (TMA if tma is None else tma)), "qk_ahead: without tma")
     # _pdl_no_wait (negative control of the tests): the combine is launched early but skips its wait.
     prefetch = PREFETCH_BLOCKS if prefetch is None else int(prefetch)
     check(prefetch >= 0, "prefetch >= 0")
@@ -851,8 +776,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
                                                         KV_BEFORE_WAIT=(pdl and KV_BEFORE_WAIT) if kv_before_wait is None
                                                         else bool(kv_before_wait),
                                                         _EARLY_BUG=bool(_early_bug), ML_BY_ROW=ml_by_row,
-                                                        _NO_STORE=bool(_no_store), BALANCED=balanced,
-                                                        _NO_Q=bool(_no_q), QK_AHEAD=qk_ahead))
+                                                        _NO_STORE=bool(_no_store)))
                            if variant == "v2" else (_attn_split_kernel, {}))
     # v2's split is itself a programmatic dependent of the previous kernel. _split_pdl=False
     # (measurement only): launched plainly, it starts after the previous kernel has completed, so a
@@ -881,20 +805,18 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     _combine(acc, ml, sinks, out, start_pos, tl_buf, w=w, ring=ring, window=window, block_n=block_n,
              block_d=block_d, combine_block_s=combine_block_s, pdl=pdl, wait=not _pdl_no_wait,
              tl_base=num_splits * nkv if timeline else None, trigger=bool(_combine_trigger),
-             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug,
-             balanced=balanced and not _balanced_bug)
+             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug)
     return out
 
 
 def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, block_n, block_d=None,
              combine_block_s=None, pdl, wait=True, tl_base=None, trigger=False, one_load=None, num_warps=None,
-             ml_by_row=False, _ml_bug=False, balanced=False):
+             ml_by_row=False, _ml_bug=False):
     """The combine launch over partials ``acc`` [nkv, splits, block_m, d] / ``ml`` [nkv, splits, 2,
     block_m] (the split kernels' layout; ``ml_by_row``: [nkv, 2, block_m, splits]) into ``out`` [w, nh,
     d]; ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``:
     as a programmatic dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
-    ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline);
-    ``balanced``: the splits' partition is ``_split_blocks``' balanced one (the split's BALANCED). The
+    ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline). The
     options left None take the module's COMBINE_* defaults."""
     nkv, num_splits, block_m, d = acc.shape
     nh = out.shape[1]
@@ -916,7 +838,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s,
         SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and wait, TIMELINE=tl_base is not None,
         ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if one_load is None else bool(one_load)),
-        TL_BASE=tl_base or 0, TRIGGER=pdl and trigger, ML_BY_ROW=bool(ml_by_row), BALANCED=bool(balanced),
+        TL_BASE=tl_base or 0, TRIGGER=pdl and trigger, ML_BY_ROW=bool(ml_by_row),
         num_warps=COMBINE_NUM_WARPS if num_warps is None else int(num_warps),
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -925,8 +847,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
-                          balanced=None, qk_ahead=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -952,23 +873,20 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     by a kernel that may still run when the call's predecessor begins. ``block_n`` / ``num_stages``:
     keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES). ``ml_by_row`` (v2):
     the partials' m and l stored in the combine's order (None: ML_BY_ROW; False: by split, the layout
-    before session 29); the same values. ``balanced`` (v2): the splits' key ranges of ``_split_blocks``
-    (None: BALANCED_SPLITS). ``qk_ahead`` (v2): the next key block's Q K^T issued before this block's
-    softmax (``_split_partial_v2``; None: QK_AHEAD); the same values.
+    before session 29); the same values.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row, balanced=balanced, qk_ahead=qk_ahead)
+                   ml_by_row=ml_by_row)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
-                          balanced=None, qk_ahead=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -979,7 +897,7 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row, balanced=balanced, qk_ahead=qk_ahead)
+                   ml_by_row=ml_by_row)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

@@ -133,8 +133,7 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
 
 V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
               dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8),
-              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False), dict(balanced=True),
-              dict(qk_ahead=True), dict(qk_ahead=True, balanced=True)]
+              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False)]
 
 
 @pytest.mark.gpu
@@ -431,9 +430,9 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 @pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
                                   dict(kv_first=1), dict(kv_first=4), dict(kv_first=0),
                                   dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False),
-                                  dict(ml_by_row=False), dict(qk_ahead=True), dict(qk_ahead=True, balanced=True)],
+                                  dict(ml_by_row=False)],
                          ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0",
-                              "kv_before_wait", "kv_after_wait", "ml_by_split", "qk_ahead", "qk_ahead_balanced"])
+                              "kv_before_wait", "kv_after_wait", "ml_by_split"])
 def test_interp_v2_options(opts):
     """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine, the short
     splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full
@@ -470,67 +469,6 @@ def _ml_by_row_same_bits(A, shape, dev, seed, cases=((False, 900), (False, 40), 
                else A.attention_reference(q, k, v, start, sinks))
         assert max_row_rel_err(outs[1], ref) < TOL
         assert not torch.allclose(outs[0].float(), outs[2].float(), rtol=0.1, atol=0.1, equal_nan=False)
-
-
-def _balanced_partition(A, shape, cases):
-    """v2 with the balanced key ranges (``balanced``) against the reference, full and ring; the
-    negative control, a combine told the default partition (``_balanced_bug``), must fail wherever the
-    two partitions' active split counts differ (``cases``: (ring, w, start, splits, counts differ))."""
-    for ring, w, start, splits, differ in cases:
-        run = run_ring if ring else run_full
-        kw = dict(num_splits=splits, variant="v2", balanced=True)
-        assert run(A, shape, w, start, seed=start + splits, **kw) < TOL
-        if differ:
-            assert run(A, shape, w, start, seed=start + splits, _balanced_bug=True, **kw) > TOL
-
-
-def _qk_ahead_same_bits(A, shape, dev, seed):
-    """v2 with the next block's Q K^T issued ahead of this block's softmax (``qk_ahead``) gives the
-    default's bits (the same operations on the same values), full (long and short ranges, a masked
-    tail, one unmasked block) and ring; the negative control, the split with no Q at all (``_no_q``,
-    measurement only), is far off the reference."""
-    common = dict(num_splits=5, variant="v2")
-    for ring, start in ((False, 900), (False, 40), (False, 5 * 64 * 2 - 70), (True, 1300)):
-        if ring:
-            q, hk, hv, k, v, sinks = make_ring(6, shape["nh"], shape["nkv"], shape["d"], start, shape["window"],
-                                                shape["window"] + 64, seed)
-            ref = A.attention_reference(q, hk, hv, start, sinks, window=shape["window"])
-        else:
-            q, k, v, sinks = make_full(6, shape["nh"], shape["nkv"], shape["d"], start, seed)
-            ref = A.attention_reference(q, k, v, start, sinks)
-        outs = []
-        for kw in (dict(), dict(qk_ahead=True), dict(_no_q=True)):
-            out = torch.full_like(q, float("nan"))
-            A._launch(q, k, v, _start(start, dev), sinks, out, ring=ring, window=shape["window"] if ring else 0,
-                      **common, **kw)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
-        assert max_row_rel_err(outs[1], ref) < TOL
-        assert max_row_rel_err(outs[2], ref) > TOL
-
-
-@pytest.mark.gpu
-def test_qk_ahead_same_bits_q1():
-    _qk_ahead_same_bits(load_kernels("attention"), Q1, "cuda", seed=31)
-
-
-@cpu_only
-def test_interp_qk_ahead_same_bits():
-    _qk_ahead_same_bits(load_kernels("attention"), MINI, "cpu", seed=32)
-
-
-@pytest.mark.gpu
-def test_balanced_partition_q1():
-    # 64K + 8 keys over 132 splits: ceil gives 8 blocks to 128 splits, balanced 132 splits of 7-8 blocks;
-    # 6 blocks over 4 splits: 3 active against 4
-    _balanced_partition(load_kernels("attention"), Q1, [(False, 8, 65536, 132, True), (False, 8, 6 * 64 - 8, 4, True),
-                                                        (True, 6, 9000, 132, False), (False, 6, 196608 - 6, 132, True)])
-
-
-@cpu_only
-def test_interp_balanced_partition():
-    _balanced_partition(load_kernels("attention"), MINI, [(False, 8, 6 * 64 - 8, 4, True), (False, 5, 700, 3, False),
-                                                          (True, 6, 1300, 3, False), (False, 8, 9 * 64 - 8, 4, True)])
 
 
 @pytest.mark.gpu
