@@ -45,6 +45,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from runtime.kernels.attention import TIMELINE_FIELDS, _stamp
+
+assert TIMELINE_FIELDS == 6, "_gl_stamp writes records of 6 words"
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -57,12 +61,19 @@ PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
 
 
 @triton.jit
-def _empty_dependent_kernel(OUT, PDL: tl.constexpr = True):
+def _empty_dependent_kernel(OUT, PDL: tl.constexpr = True, TL=None, TIMELINE: tl.constexpr = False,
+                            TL_BASE: tl.constexpr = 0):
     """A merge that costs nothing: wait for the stream's grid (griddepcontrol.wait), store one word.
-    (PDL off: no wait, for the CPU interpreter's dry runs.)"""
+    (PDL off: no wait, for the CPU interpreter's dry runs.) ``TIMELINE``: attention.TIMELINE_FIELDS
+    records from row TL_BASE, as the combine's (entry, wait, end; "den" and "num" = end)."""
+    prog = TL_BASE + tl.program_id(0)
+    _stamp(TL, prog, 1, TIMELINE)
     if PDL:
         gdc_wait()
+    _stamp(TL, prog, 2, TIMELINE)
     tl.store(OUT + tl.program_id(0), 1.0)
+    for f in tl.static_range(3, 6):
+        _stamp(TL, prog, f, TIMELINE)
 
 if gluon is not None:
     @gluon.jit
@@ -70,8 +81,23 @@ if gluon is not None:
         gl.store(OUT + gl.program_id(0), _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES))
 
     @gluon.jit
-    def _stream(k_desc, v_desc, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr):
-        """This program's share of the K/V blocks through a ring of STAGES TMA copies; returns its block count."""
+    def _gl_stamp(TL, pid, field: gl.constexpr, TIMELINE: gl.constexpr):
+        """Diagnostics (compiled out unless TIMELINE): the global timer (at field 1 also the SM) into
+        program pid's record of attention.TIMELINE_FIELDS int64 words (the split's layout)."""
+        if TIMELINE:
+            rec = TL + pid.to(gl.int64) * 6
+            if field == 1:
+                sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+                gl.store(rec, sm.to(gl.int64))
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                          pack=1)
+            gl.store(rec + field, t)
+
+    @gluon.jit
+    def _stream(k_desc, v_desc, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr, TL=None,
+                TIMELINE: gl.constexpr = False):
+        """This program's share of the K/V blocks through a ring of STAGES TMA copies; returns its block
+        count. ``TIMELINE``: field 2 of its record = its first block landed."""
         pid = gl.program_id(0)
         n_keys = gl.load(START) + W
         n_blocks = gl.cdiv(n_keys, BN)
@@ -93,6 +119,8 @@ if gluon is not None:
         for j in range(0, nb):
             s = j % STAGES
             mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+            if j == 0:
+                _gl_stamp(TL, pid, 2, TIMELINE)
             ok = j + STAGES < nb
             mbarrier.expect(bars.index(s), NBYTES, pred=ok)
             tma.async_copy_global_to_shared(k_desc, [(b0 + j + STAGES) * BN, 0], bars.index(s), ks.index(s),
@@ -105,18 +133,22 @@ if gluon is not None:
 
     @gluon.jit
     def _tma_stream_merge_kernel(k_desc, v_desc, ACC, ML, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False, PARTIAL: gl.constexpr = True):
+                                 BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False, PARTIAL: gl.constexpr = True,
+                                 TL=None, TIMELINE: gl.constexpr = False):
         """``_tma_stream_kernel``, releasing its programmatic dependent (the combine) at its start as the
         v2 split does, then storing a partial in the split kernels' layout (ACC [NPROG, BLOCK_M, D]
         zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1; ``BY_ROW``: ML [2, BLOCK_M, NPROG], the
         attention's ML_BY_ROW): a split + merge call with no arithmetic. ``PARTIAL`` off: no partial
-        stored (the ``tmase`` probe)."""
+        stored (the ``tmase`` probe). ``TIMELINE``: records in the split's layout (entry, first block
+        landed, end) into TL (experiments/timeline_attention.py)."""
+        pid = gl.program_id(0)
+        _gl_stamp(TL, pid, 1, TIMELINE)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-        pid = gl.program_id(0)
-        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES)
+        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES, TL, TIMELINE)
         if PARTIAL:
             _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1, BY_ROW, NPROG)
+        _gl_stamp(TL, pid, 3, TIMELINE)
 
     @gluon.jit
     def _store_partial(ACC, ML, pid, D: gl.constexpr, BLOCK_M: gl.constexpr, VALUE: gl.constexpr,
@@ -239,6 +271,46 @@ def calls(name: str, data) -> list | None:
             continue
         o = torch.empty(grid, dtype=torch.int32, device=k.device)
         out.append(lambda kd=kd, vd=vd, o=o, sp=sp, w=q.shape[0]: launch(kd, vd, o, sp, w))
+    return out
+
+
+def timed_calls(kind: str, data, records=None, pdl: bool = True, **kw) -> list:
+    """experiments/timeline_attention.py's calls over ``data`` (q, k, v, sinks, start_pos, out per input
+    set): ``kind`` "tmase" (the probe tmase1_128_s3: the bare TMA stream, one program per SM, then
+    ``_empty_dependent_kernel``) or "split" (the attention's split with ``_no_combine`` and ``kw``, then
+    the same dependent). ``records``: one int64 [programs, attention.TIMELINE_FIELDS] buffer per set, the
+    stream's or split's programs first, then the dependent's (their records in the split's / combine's
+    layout; the stream's field 2 is its first block landed, the split's its wait); None: no records."""
+    from runtime.kernels import attention as A
+
+    out = []
+    for i, (q, k, v, s, sp, o) in enumerate(data):
+        rec = None if records is None else records[i]
+        w, nh, d = q.shape
+        words = torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
+        if kind == "tmase":
+            grid = torch.cuda.get_device_properties(0).multi_processor_count
+            kd, vd = _descs(k, v, 128)
+            block_m, acc, ml = _partials(q, grid, bool(A.ML_BY_ROW))
+
+            def first(kd=kd, vd=vd, acc=acc, ml=ml, sp=sp, w=w, grid=grid, block_m=block_m, rec=rec):
+                _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=128, STAGES=3, BLOCK_M=block_m,
+                                                  BY_ROW=bool(A.ML_BY_ROW), PARTIAL=False, num_warps=1,
+                                                  TL=rec if rec is not None else acc, TIMELINE=rec is not None)
+        else:
+            grid = A.SPLITS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+
+            def first(q=q, k=k, v=v, s=s, sp=sp, o=o, rec=rec):
+                A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, _no_combine=True,
+                          _timeline=rec, **kw)
+
+        def call(first=first, words=words, rec=rec, grid=grid):
+            first()
+            _empty_dependent_kernel[(words.numel(),)](words, PDL=pdl, num_warps=A.COMBINE_NUM_WARPS,
+                                                      TL=rec if rec is not None else words,
+                                                      TIMELINE=rec is not None, TL_BASE=grid,
+                                                      **({"launch_pdl": True} if pdl else {}))
+        out.append(call)
     return out
 
 

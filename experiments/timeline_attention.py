@@ -31,6 +31,7 @@ from _bench import DEV, DRY_RUN, copy_bandwidth, write_results  # noqa: E402  (f
 
 import torch  # noqa: E402
 
+import _tma_read  # noqa: E402
 from bench_kernels import attention_sets, graph_time, n_sets  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels._common import device_sm_count  # noqa: E402
@@ -57,6 +58,13 @@ CONFIGS = {
     "trigger": dict(_combine_trigger=True),
     "trigger_pf2": dict(_combine_trigger=True, prefetch=2),
     "tma_tailpf_trigger_pf2": dict(tma=True, tail_prefetch=True, _combine_trigger=True, prefetch=2),
+    # session 32: the bare TMA stream (the probe tmase1_128_s3: its split-side field 2 is its first block
+    # landed, not a wait) and the attention's split (field 2: its wait), each followed by a dependent that
+    # only waits (_tma_read._empty_dependent_kernel) instead of the combine: where the split's own time
+    # over the stream sits (sm_90+, not in dry runs)
+    "tmase": dict(_timed="tmase"),
+    "split_empty_merge": dict(_timed="split"),
+    "split_no_store_empty_merge": dict(_timed="split", _no_store=True),
 }
 
 
@@ -112,10 +120,18 @@ def main():
                 for s in attention_sets(sets, w, nh, nkv, d, cap, ctx - w, ctx)]
         kv_bytes = 2 * nkv * ctx * d * 2
         for name in args.configs.split(","):
-            kw = CONFIGS[name]
-            mk = lambda rec: [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, t=t: A._launch(   # noqa: E731
-                q, k, v, sp, s, o, ring=False, window=0, num_splits=n_splits, variant="v2",
-                _timeline=t if rec else None, **kw)) for q, k, v, s, sp, o, t in data]
+            kw = dict(CONFIGS[name])
+            timed = kw.pop("_timed", None)
+            if timed and DRY_RUN:
+                print(f"{ctx} {name}: skipped in a dry run (sm_90+ probe)", flush=True)
+                continue
+            if timed:
+                mk = lambda rec: _tma_read.timed_calls(   # noqa: E731
+                    timed, [d[:6] for d in data], [d[6] for d in data] if rec else None, **kw)
+            else:
+                mk = lambda rec: [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, t=t: A._launch(   # noqa: E731
+                    q, k, v, sp, s, o, ring=False, window=0, num_splits=n_splits, variant="v2",
+                    _timeline=t if rec else None, **kw)) for q, k, v, s, sp, o, t in data]
             t_plain = graph_time(mk(False))[0]
             for *_, t in data:
                 t.zero_()
