@@ -57,7 +57,7 @@ try:
 except ImportError:   # a triton without Gluon: the probes are unavailable, nothing else is
     gluon = None
 
-PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)|tmaf(\d+)")
+PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)(?:_d(\d+)([ab]))?|tmaf(\d+)")
 
 
 @triton.jit
@@ -94,10 +94,22 @@ if gluon is not None:
             gl.store(rec + field, t)
 
     @gluon.jit
+    def _spin(NS: gl.constexpr):
+        """Busy-wait NS nanoseconds on the global timer."""
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        t = t0
+        while t - t0 < NS:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                          pack=1)
+
+    @gluon.jit
     def _stream(k_desc, v_desc, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr, TL=None,
-                TIMELINE: gl.constexpr = False):
+                TIMELINE: gl.constexpr = False, DELAY_NS: gl.constexpr = 0, DELAY_AFTER: gl.constexpr = False):
         """This program's share of the K/V blocks through a ring of STAGES TMA copies; returns its block
-        count. ``TIMELINE``: field 2 of its record = its first block landed."""
+        count. ``TIMELINE``: field 2 of its record = its first block landed. ``DELAY_NS``: after each
+        block lands, a spin of that many ns on the global timer before its slot is refilled (a split
+        that computes on a block before reusing its buffer) or, ``DELAY_AFTER``, right after the refill
+        (one that reuses the buffer first)."""
         pid = gl.program_id(0)
         n_keys = gl.load(START) + W
         n_blocks = gl.cdiv(n_keys, BN)
@@ -121,12 +133,16 @@ if gluon is not None:
             mbarrier.wait(bars.index(s), (j // STAGES) & 1)
             if j == 0:
                 _gl_stamp(TL, pid, 2, TIMELINE)
+            if DELAY_NS > 0 and not DELAY_AFTER:
+                _spin(DELAY_NS)
             ok = j + STAGES < nb
             mbarrier.expect(bars.index(s), NBYTES, pred=ok)
             tma.async_copy_global_to_shared(k_desc, [(b0 + j + STAGES) * BN, 0], bars.index(s), ks.index(s),
                                             pred=ok)
             tma.async_copy_global_to_shared(v_desc, [(b0 + j + STAGES) * BN, 0], bars.index(s), vs.index(s),
                                             pred=ok)
+            if DELAY_NS > 0 and DELAY_AFTER:
+                _spin(DELAY_NS)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         return nb
@@ -134,7 +150,8 @@ if gluon is not None:
     @gluon.jit
     def _tma_stream_merge_kernel(k_desc, v_desc, ACC, ML, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr,
                                  BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False, PARTIAL: gl.constexpr = True,
-                                 TL=None, TIMELINE: gl.constexpr = False):
+                                 TL=None, TIMELINE: gl.constexpr = False, DELAY_NS: gl.constexpr = 0,
+                                 DELAY_AFTER: gl.constexpr = False):
         """``_tma_stream_kernel``, releasing its programmatic dependent (the combine) at its start as the
         v2 split does, then storing a partial in the split kernels' layout (ACC [NPROG, BLOCK_M, D]
         zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1; ``BY_ROW``: ML [2, BLOCK_M, NPROG], the
@@ -145,7 +162,7 @@ if gluon is not None:
         _gl_stamp(TL, pid, 1, TIMELINE)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES, TL, TIMELINE)
+        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES, TL, TIMELINE, DELAY_NS, DELAY_AFTER)
         if PARTIAL:
             _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1, BY_ROW, NPROG)
         _gl_stamp(TL, pid, 3, TIMELINE)
@@ -246,8 +263,11 @@ def calls(name: str, data) -> list | None:
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
     merge = barrier = empty = False
-    if m.group(5):   # flat: one program per tile of the capacity
-        bn = int(m.group(5))
+    delay_ns, after = int(m.group(5) or 0), m.group(6) == "a"
+    if delay_ns and m.group(1) != "e":
+        raise ValueError(f"{name}: a per-block delay (_d<ns>a|b) only with tmase")
+    if m.group(7):   # flat: one program per tile of the capacity
+        bn = int(m.group(7))
         grid = triton.cdiv(data[0][1].shape[1], bn)
 
         def launch(kd, vd, o, sp, w):
@@ -264,7 +284,7 @@ def calls(name: str, data) -> list | None:
         kd, vd = _descs(k, v, bn)
         if merge or empty:
             out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages,
-                                   empty=m.group(1) if empty else None))
+                                   empty=m.group(1) if empty else None, delay_ns=delay_ns, after=after))
             continue
         if barrier:
             out.append(_barrier_call(kd, vd, q, sp, grid, bn, stages))
@@ -369,11 +389,12 @@ def _partials(q, grid, by_row=False):
                         dtype=torch.float32))
 
 
-def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None):
+def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, after=False):
     """One ``tmasm`` call: the stream with its partials, then the attention's combine over them (in the
     runtime's default layout of m and l, attention.ML_BY_ROW). ``empty`` "e" / "p" (``tmase`` /
     ``tmasp``): the combine replaced by ``_empty_dependent_kernel`` on the combine's grid, the partials
-    not stored ("e") or stored ("p")."""
+    not stored ("e") or stored ("p"). ``delay_ns``: each block held that long (a spin on the global
+    timer) before its slot is refilled, or after (``after``): a split's arithmetic emulated."""
     from runtime.kernels import attention as A
 
     w = q.shape[0]
@@ -383,7 +404,8 @@ def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None):
 
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
-                                          BY_ROW=by_row, PARTIAL=empty != "e", num_warps=1)
+                                          BY_ROW=by_row, PARTIAL=empty != "e", num_warps=1,
+                                          DELAY_NS=delay_ns, DELAY_AFTER=after)
         if empty:
             dependent()
         else:

@@ -119,6 +119,9 @@ PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its 
 # session 31: the same two launches with a merge that costs nothing (a dependent that only waits), without /
 # with the partials' stores
 PROBES += ("tmase1_128_s3", "tmasp1_128_s3")
+# session 32: the bare stream in the split's buffers (64-key blocks, 4 stages) with each block held 350 /
+# 700 ns before its slot is refilled (b) or after (a): a split's arithmetic emulated, in either order
+PROBES += tuple(f"tmase1_64_s4_d{ns}{o}" for ns in (350, 700) for o in "ab") + ("tmase1_64_s4",)
 # (session 31's call 8 ran tmasm1_128_s3 / tmasp1_128_s3 with 4-warp programs, a probe version not kept,
 # beside the 1-warp ones under the names *_w1: the same times within 0.3 us, so what the partials' stores
 # cost these probes is not down to their one warp)
