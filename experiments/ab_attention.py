@@ -122,6 +122,8 @@ PROBES += ("tmase1_128_s3", "tmasp1_128_s3")
 # session 32: the bare stream in the split's buffers (64-key blocks, 4 stages) with each block held 350 /
 # 700 ns before its slot is refilled (b) or after (a): a split's arithmetic emulated, in either order
 PROBES += tuple(f"tmase1_64_s4_d{ns}{o}" for ns in (350, 700) for o in "ab") + ("tmase1_64_s4",)
+# and two such programs per SM (each half the blocks, 3 stages), holding 700 / 1400 ns per block
+PROBES += ("tmase2_64_s3", "tmase2_64_s3_d700b", "tmase2_64_s3_d1400b")
 # (session 31's call 8 ran tmasm1_128_s3 / tmasp1_128_s3 with 4-warp programs, a probe version not kept,
 # beside the 1-warp ones under the names *_w1: the same times within 0.3 us, so what the partials' stores
 # cost these probes is not down to their one warp)
@@ -193,6 +195,10 @@ CONFIGS = {
     # session 32: 16 / 33 / 66 splits (a quarter of the SMs or fewer, each streaming 2-8x the blocks): a
     # split's time per key block with the DRAM lightly loaded, i.e. the rate one SM's split can sustain
     **{f"ns{n}": dict(num_splits=n) for n in (16, 33, 66)},
+    # two splits per SM (each half the blocks, processed concurrently with the other's), 2 / 3 stages (3
+    # fill 2 x 112 KiB of shared memory), with the combine (264 partials: two chunks) or without it
+    **{f"ns264_st{st}{e}": dict(num_splits=264, num_stages=st, **(dict(_no_combine=True, _empty_dep=True) if e else {}))
+       for st in (2, 3) for e in ("", "_empty_merge")},
     **{p: None for p in PROBES},
 }
 
