@@ -296,9 +296,10 @@ def calls(name: str, data) -> list | None:
 
 def timed_calls(kind: str, data, records=None, pdl: bool = True, **kw) -> list:
     """experiments/timeline_attention.py's calls over ``data`` (q, k, v, sinks, start_pos, out per input
-    set): ``kind`` "tmase" (the probe tmase1_128_s3: the bare TMA stream, one program per SM, then
-    ``_empty_dependent_kernel``) or "split" (the attention's split with ``_no_combine`` and ``kw``, then
-    the same dependent). ``records``: one int64 [programs, attention.TIMELINE_FIELDS] buffer per set, the
+    set): ``kind`` "tmase" (the probe tmase{per_sm}_{bn}_s{stages}[_d{delay_ns}a|b], by default
+    tmase1_128_s3: the bare TMA stream, then ``_empty_dependent_kernel``; ``kw``: per_sm, bn, stages,
+    delay_ns, after) or "split" (the attention's split with ``_no_combine`` and ``kw``, then the same
+    dependent). ``records``: one int64 [programs, attention.TIMELINE_FIELDS] buffer per set, the
     stream's or split's programs first, then the dependent's (their records in the split's / combine's
     layout; the stream's field 2 is its first block landed, the split's its wait); None: no records."""
     from runtime.kernels import attention as A
@@ -309,14 +310,17 @@ def timed_calls(kind: str, data, records=None, pdl: bool = True, **kw) -> list:
         w, nh, d = q.shape
         words = torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
         if kind == "tmase":
-            grid = torch.cuda.get_device_properties(0).multi_processor_count
-            kd, vd = _descs(k, v, 128)
+            bn, stages = kw.get("bn", 128), kw.get("stages", 3)
+            grid = torch.cuda.get_device_properties(0).multi_processor_count * kw.get("per_sm", 1)
+            kd, vd = _descs(k, v, bn)
             block_m, acc, ml = _partials(q, grid, bool(A.ML_BY_ROW))
 
-            def first(kd=kd, vd=vd, acc=acc, ml=ml, sp=sp, w=w, grid=grid, block_m=block_m, rec=rec):
-                _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=128, STAGES=3, BLOCK_M=block_m,
+            def first(kd=kd, vd=vd, acc=acc, ml=ml, sp=sp, w=w, grid=grid, block_m=block_m, rec=rec, bn=bn,
+                      stages=stages):
+                _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
                                                   BY_ROW=bool(A.ML_BY_ROW), PARTIAL=False, num_warps=1,
-                                                  TL=rec if rec is not None else acc, TIMELINE=rec is not None)
+                                                  TL=rec if rec is not None else acc, TIMELINE=rec is not None,
+                                                  DELAY_NS=kw.get("delay_ns", 0), DELAY_AFTER=kw.get("after", False))
         else:
             grid = A.SPLITS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
 

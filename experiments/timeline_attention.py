@@ -63,6 +63,9 @@ CONFIGS = {
     # only waits (_tma_read._empty_dependent_kernel) instead of the combine: where the split's own time
     # over the stream sits (sm_90+, not in dry runs)
     "tmase": dict(_timed="tmase"),
+    "tmase64_s4": dict(_timed="tmase", bn=64, stages=4),   # the split's buffers, and each block held 700 ns
+    "tmase64_s4_d700b": dict(_timed="tmase", bn=64, stages=4, delay_ns=700),   # before its slot's refill
+    "tmase2_64_s3_d700b": dict(_timed="tmase", bn=64, stages=3, per_sm=2, delay_ns=700),   # (two per SM)
     "split_empty_merge": dict(_timed="split"),
     "split_no_store_empty_merge": dict(_timed="split", _no_store=True),
 }
@@ -105,7 +108,7 @@ def main():
     w = args.w
     l2 = 60 * 2**20
     n_splits = device_sm_count(DEV)
-    n_comb = w * nh * (d // 8)   # room for the narrowest combine tile tried
+    n_comb = w * nh * (d // 8) + n_splits   # room for the narrowest combine tile tried (and 2 streams per SM)
     rows, raw = [], {}
     bw = {}
     if not DRY_RUN:
@@ -140,10 +143,11 @@ def main():
                 print(f"{ctx} {name}: dry run, {t_plain * 1e6:.0f} us wall", flush=True)
                 continue
             recs = [t.cpu() for *_, t in data]
+            n_first = n_splits * nkv * kw.get("per_sm", 1)   # the split's (stream's) records, then the merge's
             per = []
             for c in range(1, sets):
-                prev_end = recs[c - 1][n_splits * nkv:, 3].max()
-                per.append(phases(recs[c][:n_splits * nkv], recs[c][n_splits * nkv:], prev_end))
+                prev_end = recs[c - 1][n_first:, 3].max()
+                per.append(phases(recs[c][:n_first], recs[c][n_first:], prev_end))
             avg = {key: statistics.median(p[key] for p in per) for key in per[0]}
             allt = torch.cat([r[:, 1:].flatten() for r in recs])
             allt = allt[allt > 0].sort().values
@@ -152,7 +156,7 @@ def main():
             row = dict(ctx=ctx, w=w, config=name, graph_us=t_plain * 1e6, graph_rec_us=t_rec * 1e6,
                        frac=kv_bytes / t_plain / bw["copy_Bps"], timer_ns=gran, **avg)
             # per-split streaming rate: blocks / (end - wait)
-            s1 = recs[sets // 2][:n_splits * nkv]
+            s1 = recs[sets // 2][:n_first]
             act = s1[s1[:, 1] > 0]
             dur = (act[:, 3] - act[:, 2]).double() * 1e-3
             row.update(split_busy_us_med=float(dur.median()), split_busy_us_max=float(dur.max()),
