@@ -57,7 +57,7 @@ try:
 except ImportError:   # a triton without Gluon: the probes are unavailable, nothing else is
     gluon = None
 
-PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)(?:_d(\d+)([ab]))?|tmaf(\d+)")
+PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)(?:_d(\d+)([ab]))?(?:_g(\d+))?|tmaf(\d+)")
 
 
 @triton.jit
@@ -104,12 +104,15 @@ if gluon is not None:
 
     @gluon.jit
     def _stream(k_desc, v_desc, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr, TL=None,
-                TIMELINE: gl.constexpr = False, DELAY_NS: gl.constexpr = 0, DELAY_AFTER: gl.constexpr = False):
+                TIMELINE: gl.constexpr = False, DELAY_NS: gl.constexpr = 0, DELAY_AFTER: gl.constexpr = False,
+                STAGGER_NS: gl.constexpr = 0):
         """This program's share of the K/V blocks through a ring of STAGES TMA copies; returns its block
         count. ``TIMELINE``: field 2 of its record = its first block landed. ``DELAY_NS``: after each
         block lands, a spin of that many ns on the global timer before its slot is refilled (a split
         that computes on a block before reusing its buffer) or, ``DELAY_AFTER``, right after the refill
-        (one that reuses the buffer first)."""
+        (one that reuses the buffer first). ``STAGGER_NS``: the prologue's first copy issued, then a spin
+        of that long before the others (every program's first block ahead of all programs' later ones
+        in DRAM's queue)."""
         pid = gl.program_id(0)
         n_keys = gl.load(START) + W
         n_blocks = gl.cdiv(n_keys, BN)
@@ -124,6 +127,8 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(STAGES):
+            if STAGGER_NS > 0 and i == 1:
+                _spin(STAGGER_NS)
             ok = i < nb
             mbarrier.expect(bars.index(i), NBYTES, pred=ok)
             tma.async_copy_global_to_shared(k_desc, [(b0 + i) * BN, 0], bars.index(i), ks.index(i), pred=ok)
@@ -151,7 +156,7 @@ if gluon is not None:
     def _tma_stream_merge_kernel(k_desc, v_desc, ACC, ML, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr,
                                  BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False, PARTIAL: gl.constexpr = True,
                                  TL=None, TIMELINE: gl.constexpr = False, DELAY_NS: gl.constexpr = 0,
-                                 DELAY_AFTER: gl.constexpr = False):
+                                 DELAY_AFTER: gl.constexpr = False, STAGGER_NS: gl.constexpr = 0):
         """``_tma_stream_kernel``, releasing its programmatic dependent (the combine) at its start as the
         v2 split does, then storing a partial in the split kernels' layout (ACC [NPROG, BLOCK_M, D]
         zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1; ``BY_ROW``: ML [2, BLOCK_M, NPROG], the
@@ -162,7 +167,7 @@ if gluon is not None:
         _gl_stamp(TL, pid, 1, TIMELINE)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES, TL, TIMELINE, DELAY_NS, DELAY_AFTER)
+        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES, TL, TIMELINE, DELAY_NS, DELAY_AFTER, STAGGER_NS)
         if PARTIAL:
             _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1, BY_ROW, NPROG)
         _gl_stamp(TL, pid, 3, TIMELINE)
@@ -263,11 +268,11 @@ def calls(name: str, data) -> list | None:
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
     merge = barrier = empty = False
-    delay_ns, after = int(m.group(5) or 0), m.group(6) == "a"
-    if delay_ns and m.group(1) != "e":
-        raise ValueError(f"{name}: a per-block delay (_d<ns>a|b) only with tmase")
-    if m.group(7):   # flat: one program per tile of the capacity
-        bn = int(m.group(7))
+    delay_ns, after, stagger_ns = int(m.group(5) or 0), m.group(6) == "a", int(m.group(7) or 0)
+    if (delay_ns or stagger_ns) and m.group(1) != "e":
+        raise ValueError(f"{name}: a per-block delay (_d<ns>a|b) or a staggered prologue (_g<ns>) only with tmase")
+    if m.group(8):   # flat: one program per tile of the capacity
+        bn = int(m.group(8))
         grid = triton.cdiv(data[0][1].shape[1], bn)
 
         def launch(kd, vd, o, sp, w):
@@ -284,7 +289,8 @@ def calls(name: str, data) -> list | None:
         kd, vd = _descs(k, v, bn)
         if merge or empty:
             out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages,
-                                   empty=m.group(1) if empty else None, delay_ns=delay_ns, after=after))
+                                   empty=m.group(1) if empty else None, delay_ns=delay_ns, after=after,
+                                   stagger_ns=stagger_ns))
             continue
         if barrier:
             out.append(_barrier_call(kd, vd, q, sp, grid, bn, stages))
@@ -393,12 +399,13 @@ def _partials(q, grid, by_row=False):
                         dtype=torch.float32))
 
 
-def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, after=False):
+def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, after=False, stagger_ns=0):
     """One ``tmasm`` call: the stream with its partials, then the attention's combine over them (in the
     runtime's default layout of m and l, attention.ML_BY_ROW). ``empty`` "e" / "p" (``tmase`` /
     ``tmasp``): the combine replaced by ``_empty_dependent_kernel`` on the combine's grid, the partials
     not stored ("e") or stored ("p"). ``delay_ns``: each block held that long (a spin on the global
-    timer) before its slot is refilled, or after (``after``): a split's arithmetic emulated."""
+    timer) before its slot is refilled, or after (``after``): a split's arithmetic emulated.
+    ``stagger_ns``: the first block's copy issued that long before the rest of the prologue's."""
     from runtime.kernels import attention as A
 
     w = q.shape[0]
@@ -409,7 +416,7 @@ def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, af
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
                                           BY_ROW=by_row, PARTIAL=empty != "e", num_warps=1,
-                                          DELAY_NS=delay_ns, DELAY_AFTER=after)
+                                          DELAY_NS=delay_ns, DELAY_AFTER=after, STAGGER_NS=stagger_ns)
         if empty:
             dependent()
         else:
