@@ -23,6 +23,11 @@ bytes in flight per SM are bounded by shared memory (228 KiB), not by registers:
   its start (without / with its partial stores), then ``_empty_dependent_kernel``, a dependent on the
   combine's grid that only waits (griddepcontrol.wait) and stores one word per program. What two
   launches cost before the merge reads a byte.
+* ``tmase{m}_{bn}_s{stages}_d{ns}a|b[_g{ns}]`` (session 32): ``tmase`` whose one warp holds every block
+  ``ns`` nanoseconds (a spin on the global timer) before its slot is refilled (``b``) or after (``a``):
+  a split's per-block arithmetic emulated; ``_g{ns}``: the prologue's first copy issued that long before
+  the others. ``timed_calls`` runs ``tmase`` (and the attention's split) with per-program timeline
+  records for ``experiments/timeline_attention.py`` (entry, first block landed / wait, end).
 * ``_tma_flat_kernel`` (``tmaf{bn}``): one 1-warp program per BN-row tile of the capacity (a fixed
   grid, as a captured launch needs); programs past the valid extent only read start_pos.
 
