@@ -62,10 +62,12 @@ CONFIGS = {
     # landed, not a wait) and the attention's split (field 2: its wait), each followed by a dependent that
     # only waits (_tma_read._empty_dependent_kernel) instead of the combine: where the split's own time
     # over the stream sits (sm_90+, not in dry runs)
+    # (tmase64_s4: the stream in the split's buffers, 64-key tiles x 4 stages; _d700b: each block held 700 ns
+    # before its slot's refill, a split's arithmetic emulated; tmase2_...: two such programs per SM)
     "tmase": dict(_timed="tmase"),
-    "tmase64_s4": dict(_timed="tmase", bn=64, stages=4),   # the split's buffers, and each block held 700 ns
-    "tmase64_s4_d700b": dict(_timed="tmase", bn=64, stages=4, delay_ns=700),   # before its slot's refill
-    "tmase2_64_s3_d700b": dict(_timed="tmase", bn=64, stages=3, per_sm=2, delay_ns=700),   # (two per SM)
+    "tmase64_s4": dict(_timed="tmase", bn=64, stages=4),
+    "tmase64_s4_d700b": dict(_timed="tmase", bn=64, stages=4, delay_ns=700),
+    "tmase2_64_s3_d700b": dict(_timed="tmase", bn=64, stages=3, per_sm=2, delay_ns=700),
     "split_empty_merge": dict(_timed="split"),
     "split_no_store_empty_merge": dict(_timed="split", _no_store=True),
 }
