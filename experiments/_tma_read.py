@@ -23,11 +23,12 @@ bytes in flight per SM are bounded by shared memory (228 KiB), not by registers:
   its start (without / with its partial stores), then ``_empty_dependent_kernel``, a dependent on the
   combine's grid that only waits (griddepcontrol.wait) and stores one word per program. What two
   launches cost before the merge reads a byte.
-* ``tmase{m}_{bn}_s{stages}_d{ns}a|b[_g{ns}]`` (session 32): ``tmase`` whose one warp holds every block
-  ``ns`` nanoseconds (a spin on the global timer) before its slot is refilled (``b``) or after (``a``):
-  a split's per-block arithmetic emulated; ``_g{ns}``: the prologue's first copy issued that long before
-  the others. ``timed_calls`` runs ``tmase`` (and the attention's split) with per-program timeline
-  records for ``experiments/timeline_attention.py`` (entry, first block landed / wait, end).
+* ``tmase{m}_{bn}_s{stages}[_d{ns}a|b][_g{ns}][_k]`` (session 32): ``tmase`` whose one warp holds every
+  block ``ns`` nanoseconds (a spin on the global timer) before its slot is refilled (``b``) or after
+  (``a``): a split's per-block arithmetic emulated; ``_g{ns}``: the prologue's first copy issued that
+  long before the others; ``_k``: 4-warp programs with a CTA barrier per block (the split's loop has
+  2-3). ``timed_calls`` runs ``tmase`` (and the attention's split) with per-program timeline records for
+  ``experiments/timeline_attention.py`` (entry, first block landed / wait, end).
 * ``_tma_flat_kernel`` (``tmaf{bn}``): one 1-warp program per BN-row tile of the capacity (a fixed
   grid, as a captured launch needs); programs past the valid extent only read start_pos.
 
@@ -62,7 +63,7 @@ try:
 except ImportError:   # a triton without Gluon: the probes are unavailable, nothing else is
     gluon = None
 
-PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)(?:_d(\d+)([ab]))?(?:_g(\d+))?|tmaf(\d+)")
+PATTERN = re.compile(r"tmas([mbep]?)(\d+)_(\d+)_s(\d+)(?:_d(\d+)([ab]))?(?:_g(\d+))?(_k)?|tmaf(\d+)")
 
 
 @triton.jit
@@ -110,14 +111,15 @@ if gluon is not None:
     @gluon.jit
     def _stream(k_desc, v_desc, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr, TL=None,
                 TIMELINE: gl.constexpr = False, DELAY_NS: gl.constexpr = 0, DELAY_AFTER: gl.constexpr = False,
-                STAGGER_NS: gl.constexpr = 0):
+                STAGGER_NS: gl.constexpr = 0, BLOCK_SYNC: gl.constexpr = False):
         """This program's share of the K/V blocks through a ring of STAGES TMA copies; returns its block
         count. ``TIMELINE``: field 2 of its record = its first block landed. ``DELAY_NS``: after each
         block lands, a spin of that many ns on the global timer before its slot is refilled (a split
         that computes on a block before reusing its buffer) or, ``DELAY_AFTER``, right after the refill
         (one that reuses the buffer first). ``STAGGER_NS``: the prologue's first copy issued, then a spin
         of that long before the others (every program's first block ahead of all programs' later ones
-        in DRAM's queue)."""
+        in DRAM's queue). ``BLOCK_SYNC``: a CTA barrier (bar.sync) after each block's hold, before its
+        refill, as the split's loop has (2-3 per block in its SASS)."""
         pid = gl.program_id(0)
         n_keys = gl.load(START) + W
         n_blocks = gl.cdiv(n_keys, BN)
@@ -145,6 +147,8 @@ if gluon is not None:
                 _gl_stamp(TL, pid, 2, TIMELINE)
             if DELAY_NS > 0 and not DELAY_AFTER:
                 _spin(DELAY_NS)
+            if BLOCK_SYNC:
+                gl.thread_barrier()
             ok = j + STAGES < nb
             mbarrier.expect(bars.index(s), NBYTES, pred=ok)
             tma.async_copy_global_to_shared(k_desc, [(b0 + j + STAGES) * BN, 0], bars.index(s), ks.index(s),
@@ -161,7 +165,8 @@ if gluon is not None:
     def _tma_stream_merge_kernel(k_desc, v_desc, ACC, ML, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr,
                                  BLOCK_M: gl.constexpr, BY_ROW: gl.constexpr = False, PARTIAL: gl.constexpr = True,
                                  TL=None, TIMELINE: gl.constexpr = False, DELAY_NS: gl.constexpr = 0,
-                                 DELAY_AFTER: gl.constexpr = False, STAGGER_NS: gl.constexpr = 0):
+                                 DELAY_AFTER: gl.constexpr = False, STAGGER_NS: gl.constexpr = 0,
+                                 BLOCK_SYNC: gl.constexpr = False):
         """``_tma_stream_kernel``, releasing its programmatic dependent (the combine) at its start as the
         v2 split does, then storing a partial in the split kernels' layout (ACC [NPROG, BLOCK_M, D]
         zeros, ML [NPROG, 2, BLOCK_M]: m = 0, l = 1; ``BY_ROW``: ML [2, BLOCK_M, NPROG], the
@@ -172,7 +177,8 @@ if gluon is not None:
         _gl_stamp(TL, pid, 1, TIMELINE)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES, TL, TIMELINE, DELAY_NS, DELAY_AFTER, STAGGER_NS)
+        _stream(k_desc, v_desc, START, W, NPROG, BN, STAGES, TL, TIMELINE, DELAY_NS, DELAY_AFTER, STAGGER_NS,
+                BLOCK_SYNC)
         if PARTIAL:
             _store_partial(ACC, ML, pid, k_desc.block_type.shape[1], BLOCK_M, 0.0, 1, BY_ROW, NPROG)
         _gl_stamp(TL, pid, 3, TIMELINE)
@@ -274,10 +280,12 @@ def calls(name: str, data) -> list | None:
         return None
     merge = barrier = empty = False
     delay_ns, after, stagger_ns = int(m.group(5) or 0), m.group(6) == "a", int(m.group(7) or 0)
-    if (delay_ns or stagger_ns) and m.group(1) != "e":
-        raise ValueError(f"{name}: a per-block delay (_d<ns>a|b) or a staggered prologue (_g<ns>) only with tmase")
-    if m.group(8):   # flat: one program per tile of the capacity
-        bn = int(m.group(8))
+    block_sync = bool(m.group(8))
+    if (delay_ns or stagger_ns or block_sync) and m.group(1) != "e":
+        raise ValueError(f"{name}: a per-block delay (_d<ns>a|b), a staggered prologue (_g<ns>) or a per-block "
+                         "CTA barrier (_k) only with tmase")
+    if m.group(9):   # flat: one program per tile of the capacity
+        bn = int(m.group(9))
         grid = triton.cdiv(data[0][1].shape[1], bn)
 
         def launch(kd, vd, o, sp, w):
@@ -295,7 +303,7 @@ def calls(name: str, data) -> list | None:
         if merge or empty:
             out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages,
                                    empty=m.group(1) if empty else None, delay_ns=delay_ns, after=after,
-                                   stagger_ns=stagger_ns))
+                                   stagger_ns=stagger_ns, block_sync=block_sync))
             continue
         if barrier:
             out.append(_barrier_call(kd, vd, q, sp, grid, bn, stages))
@@ -404,13 +412,15 @@ def _partials(q, grid, by_row=False):
                         dtype=torch.float32))
 
 
-def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, after=False, stagger_ns=0):
+def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, after=False, stagger_ns=0,
+                block_sync=False):
     """One ``tmasm`` call: the stream with its partials, then the attention's combine over them (in the
     runtime's default layout of m and l, attention.ML_BY_ROW). ``empty`` "e" / "p" (``tmase`` /
     ``tmasp``): the combine replaced by ``_empty_dependent_kernel`` on the combine's grid, the partials
     not stored ("e") or stored ("p"). ``delay_ns``: each block held that long (a spin on the global
     timer) before its slot is refilled, or after (``after``): a split's arithmetic emulated.
-    ``stagger_ns``: the first block's copy issued that long before the rest of the prologue's."""
+    ``stagger_ns``: the first block's copy issued that long before the rest of the prologue's.
+    ``block_sync``: 4-warp programs with a CTA barrier per block before its refill (as the split's loop)."""
     from runtime.kernels import attention as A
 
     w = q.shape[0]
@@ -420,8 +430,9 @@ def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, af
 
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
-                                          BY_ROW=by_row, PARTIAL=empty != "e", num_warps=1,
-                                          DELAY_NS=delay_ns, DELAY_AFTER=after, STAGGER_NS=stagger_ns)
+                                          BY_ROW=by_row, PARTIAL=empty != "e", num_warps=4 if block_sync else 1,
+                                          DELAY_NS=delay_ns, DELAY_AFTER=after, STAGGER_NS=stagger_ns,
+                                          BLOCK_SYNC=block_sync)
         if empty:
             dependent()
         else:

@@ -126,6 +126,8 @@ PROBES += tuple(f"tmase1_64_s4_d{ns}{o}" for ns in (350, 700) for o in "ab") + (
 PROBES += ("tmase2_64_s3", "tmase2_64_s3_d700b", "tmase2_64_s3_d1400b")
 # and with the prologue staggered: the first block's copy 300 / 600 / 1200 ns before the others
 PROBES += tuple(f"tmase1_64_s4{d}_g{g}" for d in ("", "_d700b") for g in (300, 600, 1200))
+# and as 4-warp programs with a CTA barrier per block, as the split's loop has (_k)
+PROBES += ("tmase1_64_s4_k", "tmase1_64_s4_d700b_k")
 # (session 31's call 8 ran tmasm1_128_s3 / tmasp1_128_s3 with 4-warp programs, a probe version not kept,
 # beside the 1-warp ones under the names *_w1: the same times within 0.3 us, so what the partials' stores
 # cost these probes is not down to their one warp)
