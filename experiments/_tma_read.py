@@ -27,8 +27,8 @@ bytes in flight per SM are bounded by shared memory (228 KiB), not by registers:
   block ``ns`` nanoseconds (a spin on the global timer) before its slot is refilled (``b``) or after
   (``a``): a split's per-block arithmetic emulated; ``_g{ns}``: the prologue's first copy issued that
   long before the others; ``_k``: 4-warp programs with a CTA barrier per block (the split's loop has
-  2-3). ``timed_calls`` runs ``tmase`` (and the attention's split) with per-program timeline records for
-  ``experiments/timeline_attention.py`` (entry, first block landed / wait, end).
+  2-3). ``calls(..., records=)`` / ``without_merge(..., records=)`` run ``tmase`` / the attention's split
+  with per-program timeline records for ``experiments/timeline_attention.py``.
 * ``_tma_flat_kernel`` (``tmaf{bn}``): one 1-warp program per BN-row tile of the capacity (a fixed
   grid, as a captured launch needs); programs past the valid extent only read start_pos.
 
@@ -270,20 +270,21 @@ def _descs(k: torch.Tensor, v: torch.Tensor, bn: int):
             TensorDescriptor.from_tensor(v2, [bn, v2.shape[1]], layout))
 
 
-def calls(name: str, data) -> list | None:
+def calls(name: str, data, records=None) -> list | None:
     """Calls of probe ``name`` (``PATTERN``) over ``bench_kernels.attention_sets`` data (one KV head);
     None when the name is not a TMA probe or Gluon / sm_90 is missing. ``tmasm...``: the stream, its
     partials and the attention's own combine launch (``attention._combine``, a programmatic dependent
-    with the runtime's defaults) over them."""
+    with the runtime's defaults) over them. ``records`` (``tmase`` probes only): one timeline buffer per
+    set, the stream's programs' records (entry, first block landed, end) then the dependent's."""
     m = PATTERN.fullmatch(name)
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
     merge = barrier = empty = False
     delay_ns, after, stagger_ns = int(m.group(5) or 0), m.group(6) == "a", int(m.group(7) or 0)
     block_sync = bool(m.group(8))
-    if (delay_ns or stagger_ns or block_sync) and m.group(1) != "e":
-        raise ValueError(f"{name}: a per-block delay (_d<ns>a|b), a staggered prologue (_g<ns>) or a per-block "
-                         "CTA barrier (_k) only with tmase")
+    if (delay_ns or stagger_ns or block_sync or records is not None) and m.group(1) != "e":
+        raise ValueError(f"{name}: a per-block delay (_d<ns>a|b), a staggered prologue (_g<ns>), a per-block "
+                         "CTA barrier (_k) or timeline records only with tmase")
     if m.group(9):   # flat: one program per tile of the capacity
         bn = int(m.group(9))
         grid = triton.cdiv(data[0][1].shape[1], bn)
@@ -298,12 +299,13 @@ def calls(name: str, data) -> list | None:
         def launch(kd, vd, o, sp, w):
             _tma_stream_kernel[(grid,)](kd, vd, o, sp, w, grid, BN=bn, STAGES=stages, num_warps=1)
     out = []
-    for q, k, v, _, sp, o_att in data:
+    for i, (q, k, v, _, sp, o_att) in enumerate(data):
         kd, vd = _descs(k, v, bn)
         if merge or empty:
             out.append(_merge_call(kd, vd, q, sp, o_att, grid, bn, stages,
                                    empty=m.group(1) if empty else None, delay_ns=delay_ns, after=after,
-                                   stagger_ns=stagger_ns, block_sync=block_sync))
+                                   stagger_ns=stagger_ns, block_sync=block_sync,
+                                   records=None if records is None else records[i]))
             continue
         if barrier:
             out.append(_barrier_call(kd, vd, q, sp, grid, bn, stages))
@@ -313,54 +315,11 @@ def calls(name: str, data) -> list | None:
     return out
 
 
-def timed_calls(kind: str, data, records=None, pdl: bool = True, **kw) -> list:
-    """experiments/timeline_attention.py's calls over ``data`` (q, k, v, sinks, start_pos, out per input
-    set): ``kind`` "tmase" (the probe tmase{per_sm}_{bn}_s{stages}[_d{delay_ns}a|b], by default
-    tmase1_128_s3: the bare TMA stream, then ``_empty_dependent_kernel``; ``kw``: per_sm, bn, stages,
-    delay_ns, after) or "split" (the attention's split with ``_no_combine`` and ``kw``, then the same
-    dependent). ``records``: one int64 [programs, attention.TIMELINE_FIELDS] buffer per set, the
-    stream's or split's programs first, then the dependent's (their records in the split's / combine's
-    layout; the stream's field 2 is its first block landed, the split's its wait); None: no records."""
-    from runtime.kernels import attention as A
-
-    out = []
-    for i, (q, k, v, s, sp, o) in enumerate(data):
-        rec = None if records is None else records[i]
-        w, nh, d = q.shape
-        words = torch.empty(w * nh * (d // min(A.COMBINE_BLOCK_D, d)), device=q.device, dtype=torch.float32)
-        if kind == "tmase":
-            bn, stages = kw.get("bn", 128), kw.get("stages", 3)
-            grid = torch.cuda.get_device_properties(0).multi_processor_count * kw.get("per_sm", 1)
-            kd, vd = _descs(k, v, bn)
-            block_m, acc, ml = _partials(q, grid, bool(A.ML_BY_ROW))
-
-            def first(kd=kd, vd=vd, acc=acc, ml=ml, sp=sp, w=w, grid=grid, block_m=block_m, rec=rec, bn=bn,
-                      stages=stages):
-                _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
-                                                  BY_ROW=bool(A.ML_BY_ROW), PARTIAL=False, num_warps=1,
-                                                  TL=rec if rec is not None else acc, TIMELINE=rec is not None,
-                                                  DELAY_NS=kw.get("delay_ns", 0), DELAY_AFTER=kw.get("after", False))
-        else:
-            grid = A.SPLITS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
-
-            def first(q=q, k=k, v=v, s=s, sp=sp, o=o, rec=rec):
-                A._launch(q, k, v, sp, s, o, ring=False, window=0, num_splits=None, _no_combine=True,
-                          _timeline=rec, **kw)
-
-        def call(first=first, words=words, rec=rec, grid=grid):
-            first()
-            _empty_dependent_kernel[(words.numel(),)](words, PDL=pdl, num_warps=A.COMBINE_NUM_WARPS,
-                                                      TL=rec if rec is not None else words,
-                                                      TIMELINE=rec is not None, TL_BASE=grid,
-                                                      **({"launch_pdl": True} if pdl else {}))
-        out.append(call)
-    return out
-
-
-def empty_dependent(q, pdl: bool = True):
+def empty_dependent(q, pdl: bool = True, records=None, tl_base: int = 0):
     """A callable launching ``_empty_dependent_kernel`` on the attention combine's grid for q [w, nh, d]
     (one word per program), as a programmatic dependent (``pdl``; off for the CPU interpreter): what
-    replaces the combine where a benchmark times a call without its merge."""
+    replaces the combine where a benchmark times a call without its merge. ``records``: int64 timeline
+    records (attention.TIMELINE_FIELDS words per program), its programs' from row ``tl_base``."""
     from runtime.kernels import attention as A
 
     w, nh, d = q.shape
@@ -368,20 +327,33 @@ def empty_dependent(q, pdl: bool = True):
 
     def launch():
         _empty_dependent_kernel[(words.numel(),)](words, PDL=pdl, num_warps=A.COMBINE_NUM_WARPS,
+                                                  TL=words if records is None else records,
+                                                  TIMELINE=records is not None, TL_BASE=tl_base,
                                                   **({"launch_pdl": True} if pdl else {}))
     return launch
 
 
-def without_merge(data, pdl: bool = True, **kw) -> list:
+def without_merge(data, pdl: bool = True, records=None, **kw) -> list:
     """The attention's full-cache calls over ``data`` (``bench_kernels.attention_sets``) without their
     merge: ``attention._launch(..., _no_combine=True, **kw)``, then ``empty_dependent`` on the combine's
-    grid (measurement only: ``out`` is not written)."""
+    grid (measurement only: ``out`` is not written). ``records``: one timeline buffer per set (the
+    split's programs' records, then the dependent's; experiments/timeline_attention.py), or None."""
     from runtime.kernels import attention as A
+    from runtime.kernels._common import device_sm_count
 
-    def call(q, k, v, s, sp, o, dependent):
-        A._launch(q, k, v, sp, s, o, ring=False, window=0, _no_combine=True, **{"num_splits": None, **kw})
+    def call(q, k, v, s, sp, o, rec, dependent):
+        A._launch(q, k, v, sp, s, o, ring=False, window=0, _no_combine=True, _timeline=rec,
+                  **{"num_splits": None, **kw})
         dependent()
-    return [(lambda d=d, dep=empty_dependent(d[0], pdl=pdl): call(*d, dep)) for d in data]
+    out = []
+    for i, d in enumerate(data):
+        rec = None if records is None else records[i]
+        base = 0   # the dependent's first record: after the split's (num_splits x nkv) programs'
+        if rec is not None:
+            base = (kw.get("num_splits") or A.SPLITS_PER_SM * device_sm_count(d[0].device)) * d[1].shape[0]
+        out.append(lambda d=d, rec=rec, dep=empty_dependent(d[0], pdl=pdl, records=rec, tl_base=base):
+                   call(*d, rec, dep))
+    return out
 
 
 def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
@@ -413,24 +385,26 @@ def _partials(q, grid, by_row=False):
 
 
 def _merge_call(kd, vd, q, sp, out, grid, bn, stages, empty=None, delay_ns=0, after=False, stagger_ns=0,
-                block_sync=False):
+                block_sync=False, records=None):
     """One ``tmasm`` call: the stream with its partials, then the attention's combine over them (in the
     runtime's default layout of m and l, attention.ML_BY_ROW). ``empty`` "e" / "p" (``tmase`` /
     ``tmasp``): the combine replaced by ``_empty_dependent_kernel`` on the combine's grid, the partials
     not stored ("e") or stored ("p"). ``delay_ns``: each block held that long (a spin on the global
     timer) before its slot is refilled, or after (``after``): a split's arithmetic emulated.
     ``stagger_ns``: the first block's copy issued that long before the rest of the prologue's.
-    ``block_sync``: 4-warp programs with a CTA barrier per block before its refill (as the split's loop)."""
+    ``block_sync``: 4-warp programs with a CTA barrier per block before its refill (as the split's loop).
+    ``records``: timeline records of the stream's programs, then of the dependent's (``empty`` only)."""
     from runtime.kernels import attention as A
 
     w = q.shape[0]
     by_row = bool(A.ML_BY_ROW)
     block_m, acc, ml = _partials(q, grid, by_row)
-    dependent = empty_dependent(q)
+    dependent = empty_dependent(q, records=records, tl_base=grid)
 
     def call():
         _tma_stream_merge_kernel[(grid,)](kd, vd, acc, ml, sp, w, grid, BN=bn, STAGES=stages, BLOCK_M=block_m,
                                           BY_ROW=by_row, PARTIAL=empty != "e", num_warps=4 if block_sync else 1,
+                                          TL=acc if records is None else records, TIMELINE=records is not None,
                                           DELAY_NS=delay_ns, DELAY_AFTER=after, STAGGER_NS=stagger_ns,
                                           BLOCK_SYNC=block_sync)
         if empty:

@@ -64,12 +64,12 @@ CONFIGS = {
     # over the stream sits (sm_90+, not in dry runs)
     # (tmase64_s4: the stream in the split's buffers, 64-key tiles x 4 stages; _d700b: each block held 700 ns
     # before its slot's refill, a split's arithmetic emulated; tmase2_...: two such programs per SM)
-    "tmase": dict(_timed="tmase"),
-    "tmase64_s4": dict(_timed="tmase", bn=64, stages=4),
-    "tmase64_s4_d700b": dict(_timed="tmase", bn=64, stages=4, delay_ns=700),
-    "tmase2_64_s3_d700b": dict(_timed="tmase", bn=64, stages=3, per_sm=2, delay_ns=700),
-    "split_empty_merge": dict(_timed="split"),
-    "split_no_store_empty_merge": dict(_timed="split", _no_store=True),
+    "tmase": dict(_probe="tmase1_128_s3"),
+    "tmase64_s4": dict(_probe="tmase1_64_s4"),
+    "tmase64_s4_d700b": dict(_probe="tmase1_64_s4_d700b"),
+    "tmase2_64_s3_d700b": dict(_probe="tmase2_64_s3_d700b"),
+    "split_empty_merge": dict(_probe="split"),
+    "split_no_store_empty_merge": dict(_probe="split", _no_store=True),
 }
 
 
@@ -126,13 +126,18 @@ def main():
         kv_bytes = 2 * nkv * ctx * d * 2
         for name in args.configs.split(","):
             kw = dict(CONFIGS[name])
-            timed = kw.pop("_timed", None)
-            if timed and DRY_RUN:
+            probe = kw.pop("_probe", None)
+            if probe and DRY_RUN:
                 print(f"{ctx} {name}: skipped in a dry run (sm_90+ probe)", flush=True)
                 continue
-            if timed:
-                mk = lambda rec: _tma_read.timed_calls(   # noqa: E731
-                    timed, [d[:6] for d in data], [d[6] for d in data] if rec else None, **kw)
+            per_sm = 1
+            if probe == "split":
+                mk = lambda rec: _tma_read.without_merge(   # noqa: E731
+                    [d[:6] for d in data], records=[d[6] for d in data] if rec else None, **kw)
+            elif probe:
+                per_sm = int(_tma_read.PATTERN.fullmatch(probe).group(2))
+                mk = lambda rec: _tma_read.calls(   # noqa: E731
+                    probe, [d[:6] for d in data], [d[6] for d in data] if rec else None)
             else:
                 mk = lambda rec: [(lambda q=q, k=k, v=v, s=s, sp=sp, o=o, t=t: A._launch(   # noqa: E731
                     q, k, v, sp, s, o, ring=False, window=0, num_splits=n_splits, variant="v2",
@@ -145,7 +150,7 @@ def main():
                 print(f"{ctx} {name}: dry run, {t_plain * 1e6:.0f} us wall", flush=True)
                 continue
             recs = [t.cpu() for *_, t in data]
-            n_first = n_splits * nkv * kw.get("per_sm", 1)   # the split's (stream's) records, then the merge's
+            n_first = n_splits * nkv * per_sm   # the split's (stream's) records, then the merge's
             per = []
             for c in range(1, sets):
                 prev_end = recs[c - 1][n_first:, 3].max()
