@@ -95,18 +95,21 @@ if gluon is not None:
             if field == 1:
                 sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
                 gl.store(rec, sm.to(gl.int64))
-            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                          pack=1)
-            gl.store(rec + field, t)
+            gl.store(rec + field, _gl_now())
+
+    @gluon.jit
+    def _gl_now():
+        """The global timer (ns)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)
 
     @gluon.jit
     def _spin(NS: gl.constexpr):
         """Busy-wait NS nanoseconds on the global timer."""
-        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        t0 = _gl_now()
         t = t0
         while t - t0 < NS:
-            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                          pack=1)
+            t = _gl_now()
 
     @gluon.jit
     def _stream(k_desc, v_desc, START, W, NPROG, BN: gl.constexpr, STAGES: gl.constexpr, TL=None,
