@@ -30,6 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import _tma_read  # noqa: E402
+import _ws_attention  # noqa: E402
 from bench_kernels import attention_sets, copy_same_calls, n_sets, read_floor_calls  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 
@@ -82,6 +83,11 @@ def probe_calls(name, data, n_keys, d):
     readers ``tmas{m}_{rows}_s{stages}`` / ``tmaf{rows}`` and ``tmasm{m}_{rows}_s{stages}`` (the
     stream, then its partials merged by the attention's own combine: a split + merge call with no
     arithmetic) (``_tma_read``, sm_90+ only)."""
+    if _ws_attention.PATTERN.fullmatch(name):
+        ws_calls = _ws_attention.calls(name, data)
+        if ws_calls is None:
+            raise SystemExit(f"{name}: the warp-specialized split needs Gluon and an sm_90+ GPU")
+        return ws_calls
     if _tma_read.PATTERN.fullmatch(name):
         tma_calls = _tma_read.calls(name, data)
         if tma_calls is None:
@@ -116,6 +122,13 @@ PROBES += tuple(f"solf{c}_w{nw}" for c in (8, 16, 32, 64, 128) for nw in (1, 2, 
 PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
 # session 19: TMA readers (programs per SM, rows per tile, stages; flat: rows per tile)
 PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its partials and the combine
+# session 34: the warp-specialized split (_ws_attention: a TMA producer warp, one or two consumer
+# warpgroups taking alternate key blocks; ws{consumers}_s{stages}[_d: the partial stored from the MMA layouts]
+# [_n: no arithmetic, measurement only]
+# [_r{consumer registers}]) + the combine
+PROBES += ("ws1_s2", "ws1_s3", "ws1_s4", "ws1_s6", "ws2_s4", "ws2_s4_r200", "ws1_s3_d", "ws2_s4_d", "ws1_s3_n", "ws1_s4_n",
+           "ws1_s6_n")
+# (call 1 also ran ws2_s5: with an odd stage count its two consumers can take a slot one phase early; removed)
 # session 31: the same two launches with a merge that costs nothing (a dependent that only waits), without /
 # with the partials' stores
 PROBES += ("tmase1_128_s3", "tmasp1_128_s3")
