@@ -1,4 +1,7 @@
-"""A warp-specialized attention split (session 34): the one lever sessions 31-33 left untried.
+"""A warp-specialized attention split (session 34): the one lever sessions 31-33 left untried. Result
+(experiments/notes/kernels.md "Session 34"): no config beats the runtime's split; one consumer at three
+blocks in flight matches it, two consumers lose 0.15-1.4 us. Kept as a measurement tool: its per-block
+timeline places the split's time (arithmetic per block, the last block, the partial's store).
 
 Session 32 reproduced the 64K split's extra time over a bare TMA stream with a stream that holds each
 key block ~700 ns (the split's per-block arithmetic): at the end of the stream each SM still has the
@@ -16,7 +19,11 @@ the valid extent are read as they are (the causal mask gives them p = 0 exactly)
 finite; ``bench_kernels.attention_sets`` fills the capacity with random values, and a runtime version
 would zero them (as ``_masked_kv`` does). Measurement only, not a runtime option.
 
-    calls(name, data)   # the ab_attention.py configs ws1_s4 / ws2_s4 / ws2_s6 ...
+Configs (``options``): ``ws{1|2}_s{stages}[_d][_n][_r{regs}]``, timed by ``ab_attention.py --configs``. On
+an H200, from the repository root:
+
+    python3 experiments/_ws_attention.py               # correctness against the FP64 reference
+    OUT=/tmp/o python3 experiments/_ws_attention.py --timeline    # per-block timeline at 64K / 192K
 """
 from __future__ import annotations
 
@@ -149,6 +156,9 @@ if gluon is not None:
             gl.store(TL + tl_row * _TLW, _gl_now())
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         start = gl.load(START)
         n_blocks = gl.cdiv(start + W, BLOCK_N)
         per = gl.cdiv(n_blocks, NUM_SPLITS)
@@ -175,17 +185,14 @@ if gluon is not None:
             row0 = kvh * R + b_begin * BLOCK_N
             if NCONS == 2:
                 m0, l0, acc0 = gl.warp_specialize([
-                    (_ws_consumer0, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs, ready, empty,
-                                      TL, tl_row, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
-                    (_ws_consumer1, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs, ready, empty,
-                                      TL, tl_row + 1, xacc, xm, xl, done, gl.constexpr(G), gl.constexpr(BLOCK_M),
-                                      gl.constexpr(STAGES), gl.constexpr(TIMELINE), gl.constexpr(NOMATH))),
+                    (_ws_consumer0, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
+                                     ready, empty, TL, tl_row, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
+                    (_ws_consumer1, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
+                                     ready, empty, TL, tl_row + 1, xacc, xm, xl, done, gl.constexpr(G),
+                                     gl.constexpr(BLOCK_M), gl.constexpr(STAGES), gl.constexpr(TIMELINE),
+                                     gl.constexpr(NOMATH))),
                     (_ws_producer, (k_desc, v_desc, ks, vs, ready, empty, row0, nb, gl.constexpr(STAGES))),
                 ], [4, 1], [CONS_REGS, 24])
-                s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, BLOCK_N, 16])
-                o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, D, 16])
                 mbarrier.wait(done, 0)
                 m1 = xm.load(gl.SliceLayout(1, s_l))
                 l1 = xl.load(gl.SliceLayout(1, s_l))
@@ -199,23 +206,19 @@ if gluon is not None:
                 m_i = m
             else:
                 m_i, l_i, acc = gl.warp_specialize([
-                    (_ws_consumer0, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs, ready, empty,
-                                      TL, tl_row, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
+                    (_ws_consumer0, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
+                                     ready, empty, TL, tl_row, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
                     (_ws_producer, (k_desc, v_desc, ks, vs, ready, empty, row0, nb, gl.constexpr(STAGES))),
                 ], [1], [24])
             if TIMELINE:
                 gl.store(TL + tl_row * _TLW + 2, _gl_now())
             # the partial: acc [nkv, splits, BLOCK_M, D], ML [nkv, 2, BLOCK_M, splits] (ML_BY_ROW)
             if DIRECT:   # straight from the MMA layouts: no shared-memory round trip, no CTA barrier
-                o_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, D, 16])
-                s_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, BLOCK_N, 16])
-                offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_d))
-                offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_d))
+                offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
+                offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
                 gl.store(ACC + kvh * stride_ah + split * stride_as + offs_m[:, None] * D + offs_d[None, :], acc,
                          mask=(offs_m < W * G)[:, None])
-                offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_d))
+                offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_l))
                 okm = offs < W * G
                 gl.store(ML + kvh * stride_mh + split + offs * NUM_SPLITS, m_i, mask=okm)
                 gl.store(ML + kvh * stride_mh + split + (BLOCK_M + offs) * NUM_SPLITS, l_i, mask=okm)
@@ -286,8 +289,8 @@ def options(name: str) -> dict:
 
 
 def calls(name: str, data) -> list | None:
-    """Calls of config ``name`` (``ws{consumers}_s{stages}[_r{regs}]``) over ``bench_kernels.attention_sets``
-    data; None where Gluon or an sm_90 GPU is missing."""
+    """Calls of config ``name`` (see ``options``) over ``bench_kernels.attention_sets`` data; None where Gluon
+    or an sm_90 GPU is missing."""
     m = PATTERN.fullmatch(name)
     if m is None or gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return None
@@ -300,7 +303,8 @@ def calls(name: str, data) -> list | None:
     return out
 
 
-def check(contexts=(16384, 65536, 196608 + 5), widths=(4, 6, 8), configs=("ws1_s2", "ws1_s3", "ws1_s4", "ws1_s6", "ws2_s4", "ws1_s3_d", "ws2_s4_d")):
+def check(contexts=(16384, 65536, 196608 + 5), widths=(4, 6, 8),
+          configs=("ws1_s2", "ws1_s3", "ws1_s4", "ws1_s6", "ws2_s4", "ws1_s3_d", "ws2_s4_d")):
     """Max |error| against ``attention.attention_reference`` (FP64) of each config and of the runtime's
     default call, on one fresh random set per shape; the negative control is the runtime's output for
     a start_pos one block earlier (the check must see it as wrong). Returns the rows."""

@@ -122,12 +122,10 @@ PROBES += tuple(f"solf{c}_w{nw}" for c in (8, 16, 32, 64, 128) for nw in (1, 2, 
 PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
 # session 19: TMA readers (programs per SM, rows per tile, stages; flat: rows per tile)
 PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its partials and the combine
-# session 34: the warp-specialized split (_ws_attention: a TMA producer warp, one or two consumer
-# warpgroups taking alternate key blocks; ws{consumers}_s{stages}[_d: the partial stored from the MMA layouts]
-# [_n: no arithmetic, measurement only]
-# [_r{consumer registers}]) + the combine
-PROBES += ("ws1_s2", "ws1_s3", "ws1_s4", "ws1_s6", "ws2_s4", "ws2_s4_r200", "ws1_s3_d", "ws2_s4_d", "ws1_s3_n", "ws1_s4_n",
-           "ws1_s6_n")
+# session 34: the warp-specialized split and the runtime's combine (_ws_attention: a TMA producer warp,
+# one or two consumer warpgroups taking alternate key blocks; names as _ws_attention.options reads them)
+PROBES += ("ws1_s2", "ws1_s3", "ws1_s4", "ws1_s6", "ws2_s4", "ws2_s4_r200", "ws1_s3_d", "ws2_s4_d", "ws1_s3_n",
+           "ws1_s4_n", "ws1_s6_n")
 # (call 1 also ran ws2_s5: with an odd stage count its two consumers can take a slot one phase early; removed)
 # session 31: the same two launches with a merge that costs nothing (a dependent that only waits), without /
 # with the partials' stores
