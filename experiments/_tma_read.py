@@ -375,15 +375,15 @@ def _barrier_call(kd, vd, q, sp, grid, bn, stages, num_warps=4, slice_=32):
     return call
 
 
-def _partials(q, grid, by_row=False):
-    """(block_m, acc [1, grid, block_m, d], ml [1, grid, 2, block_m] or, ``by_row``, [1, 2, block_m,
-    grid]): the split kernels' partial buffers for one KV head and ``grid`` programs."""
+def _partials(q, grid, by_row=False, nkv=1):
+    """(block_m, acc [nkv, grid, block_m, d], ml [nkv, grid, 2, block_m] or, ``by_row``, [nkv, 2, block_m,
+    grid]): the split kernels' partial buffers for ``nkv`` KV heads and ``grid`` programs each."""
     from runtime.kernels import attention as A
 
     w, nh, d = q.shape
-    block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * nh))
-    return (block_m, torch.empty((1, grid, block_m, d), device=q.device, dtype=torch.float32),
-            torch.empty((1, 2, block_m, grid) if by_row else (1, grid, 2, block_m), device=q.device,
+    block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * nh // nkv))
+    return (block_m, torch.empty((nkv, grid, block_m, d), device=q.device, dtype=torch.float32),
+            torch.empty((nkv, 2, block_m, grid) if by_row else (nkv, grid, 2, block_m), device=q.device,
                         dtype=torch.float32))
 
 

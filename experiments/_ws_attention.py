@@ -36,7 +36,6 @@ if __name__ == "__main__":   # run as a script: the repository root (runtime) an
                     os.path.dirname(os.path.abspath(__file__))]
 
 import torch
-import triton
 
 try:
     from triton.experimental import gluon
@@ -47,6 +46,8 @@ except ImportError:   # a triton without Gluon: the probe is unavailable
     gluon = None
 else:
     from _tma_read import _gl_now
+
+from _tma_read import _partials  # noqa: E402
 
 PATTERN = re.compile(r"ws([12])_s(\d+)(_d)?(_n)?(?:_r(\d+))?")
 BN = 64
@@ -123,13 +124,6 @@ if gluon is not None:
         return m_i, l_i, acc
 
     @gluon.jit
-    def _ws_consumer0(Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs, ready, empty,
-                      TL, tl_row, NCONS: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      TIMELINE: gl.constexpr, NOMATH: gl.constexpr):
-        return _ws_consume(Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs, ready, empty,
-                           TL, tl_row, 0, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)
-
-    @gluon.jit
     def _ws_consumer1(Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs, ready, empty,
                       TL, tl_row, xacc, xm, xl, done, G: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       TIMELINE: gl.constexpr, NOMATH: gl.constexpr):
@@ -185,8 +179,8 @@ if gluon is not None:
             row0 = kvh * R + b_begin * BLOCK_N
             if NCONS == 2:
                 m0, l0, acc0 = gl.warp_specialize([
-                    (_ws_consumer0, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
-                                     ready, empty, TL, tl_row, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
+                    (_ws_consume, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
+                                   ready, empty, TL, tl_row, 0, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
                     (_ws_consumer1, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
                                      ready, empty, TL, tl_row + 1, xacc, xm, xl, done, gl.constexpr(G),
                                      gl.constexpr(BLOCK_M), gl.constexpr(STAGES), gl.constexpr(TIMELINE),
@@ -206,8 +200,8 @@ if gluon is not None:
                 m_i = m
             else:
                 m_i, l_i, acc = gl.warp_specialize([
-                    (_ws_consumer0, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
-                                     ready, empty, TL, tl_row, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
+                    (_ws_consume, (Q, kvh, W, stride_qw, stride_qh, qk_scale_log2, start, b_begin, nb, ks, vs,
+                                   ready, empty, TL, tl_row, 0, NCONS, G, BLOCK_M, STAGES, TIMELINE, NOMATH)),
                     (_ws_producer, (k_desc, v_desc, ks, vs, ready, empty, row0, nb, gl.constexpr(STAGES))),
                 ], [1], [24])
             if TIMELINE:
@@ -262,11 +256,9 @@ def launch(q, k, v, start_pos, sinks, out, *, kd, vd, stages=4, consumers=2, num
     w, nh, d = q.shape
     nkv, cap, _ = k.shape
     G = nh // nkv
-    block_m = max(A.MIN_BLOCK_M, triton.next_power_of_2(w * G))
     splits = num_splits or A.SPLITS_PER_SM * device_sm_count(q.device)
-    acc = torch.empty((nkv, splits, block_m, d), device=q.device, dtype=torch.float32)
-    ml = torch.empty((nkv, 2, block_m, splits), device=q.device, dtype=torch.float32)
-    qk_scale_log2 = 1.4426950408889634 / d ** 0.5
+    block_m, acc, ml = _partials(q, splits, by_row=True, nkv=nkv)
+    qk_scale_log2 = A._LOG2E / d ** 0.5
     _ws_split_kernel[(splits, nkv)](q, kd, vd, acc, ml, start_pos, q.stride(0), q.stride(1), acc.stride(0),
                                     acc.stride(1), ml.stride(0), qk_scale_log2, w, cap, splits, G=G, BLOCK_M=block_m,
                                     STAGES=stages, NCONS=consumers, CONS_REGS=cons_regs,
@@ -308,21 +300,16 @@ def check(contexts=(16384, 65536, 196608 + 5), widths=(4, 6, 8),
     """Max |error| against ``attention.attention_reference`` (FP64) of each config and of the runtime's
     default call, on one fresh random set per shape; the negative control is the runtime's output for
     a start_pos one block earlier (the check must see it as wrong). Returns the rows."""
-    import math
-
+    from bench_kernels import attention_sets
     from runtime.kernels import attention as A
 
     rows = []
     for ctx in contexts:
         for w in widths:
             torch.manual_seed(ctx + w)
-            nh, nkv, d, cap = 6, 1, 128, ctx + 64
-            q = torch.randn(w, nh, d, device="cuda").to(torch.bfloat16)
-            k = torch.randn(nkv, cap, d, device="cuda").to(torch.bfloat16)
-            v = torch.randn(nkv, cap, d, device="cuda").to(torch.bfloat16)
-            sinks = torch.randn(nh, device="cuda") + math.log(ctx)
             start = ctx - w
-            sp = torch.tensor(start, dtype=torch.int32, device="cuda")
+            ((q, k, v, sinks, sp, _),) = attention_sets(1, w, 6, 1, 128, ctx + 64, start, ctx)
+            kd, vd = descriptors(k, v)
             ref = A.attention_reference(q, k, v, start, sinks)
             err = {}
             out = torch.full_like(q, float("nan"))
@@ -332,7 +319,6 @@ def check(contexts=(16384, 65536, 196608 + 5), widths=(4, 6, 8),
             A.decode_attention_full(q, k, v, sp - BN, sinks, out)
             err["neg_control"] = (out.double() - ref).abs().max().item()
             for name in configs:
-                kd, vd = descriptors(k, v)
                 out = torch.full_like(q, float("nan"))
                 launch(q, k, v, sp, sinks, out, kd=kd, vd=vd, **options(name))
                 torch.cuda.synchronize()
