@@ -40,6 +40,13 @@ launching the router; ``ceil_router+{part}[+{part}...]`` (or ``--ab-base ceil_ro
 ceil_{part}``) also skips those parts' launches in every layer pass (``ABLATIONS``): the ceiling of
 what fusing them away could save (see ``_ablate`` for why the router's replay is required).
 
+``--sweep 8192,32768,65536,131072,196096`` also replays the fast step's graph at those contexts in paired
+rounds (``--sweep-rounds``, every context once per round in a shuffled order) and fits its time against
+the K/V bytes the step reads (``kernel_report.sweep_fit``): the slope is what one more byte of context
+costs the whole step, printed as a fraction of copy bandwidth beside the step's floor, and drawn into
+``step_sweep.png`` when OUT is set (``kernel_report.py --step $OUT`` re-reads it). ``--contexts ''``
+skips the eager / reference timings.
+
 ``--dry-run`` runs the whole script on the CPU through the Triton interpreter at q1-tiny shapes
 (2 layers; rank emulation of 2; wall-clock "timings" that mean nothing), to check the script before
 GPU time is spent on it.
@@ -52,6 +59,7 @@ import copy
 import dataclasses
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -63,6 +71,8 @@ from _bench import (CUDA, DEV, DRY_RUN, carveout_hook, carveouts, copy_bandwidth
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+import kernel_report  # noqa: E402
 
 from runtime import rng  # noqa: E402
 from runtime.checkpoint import random_tensors  # noqa: E402
@@ -889,7 +899,62 @@ def bench_q1(args, copy_bw):
         del cache, st, r_ref, r_fast
         if CUDA:
             torch.cuda.empty_cache()
+    if args.sweep:
+        context_sweep(args, cfg, shard, fast, ref, copy_bw, gen)
     return wbytes
+
+
+def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float, gen) -> None:
+    """``--sweep``: the fast step's graph at each context (one cache and decode state per context, all
+    alive at once; with ``--sweep-variants``, one graph per variant and context over the same cache),
+    replayed in ``--sweep-rounds`` paired rounds (every graph once per round, restored before each
+    replay, in a seeded shuffled order: no graph always follows another), then per variant
+    ``kernel_report.sweep_fit`` of the step's time against the K/V bytes it reads (``step_bytes``'
+    verify_kv + draft_kv): the slope is what one more byte of context costs the whole step. Rows: one
+    per variant and context (arm "sweep", every round's ms kept), one fit per variant (arm "sweep-fit")."""
+    contexts = (40, 100, 150) if DRY_RUN else tuple(args.sweep)
+    rounds = 2 if DRY_RUN else args.sweep_rounds
+    variants = ["default"] + [v for v in args.sweep_variants if v != "default"]
+    sampling, draft = SamplingConfig(), DraftConfig(policy="fixed", fixed_depth=DEPTHS)
+    arms, keep = {}, []
+    for L in contexts:
+        cache = ref.new_cache(L + 64 + 16)
+        fill_cache(cache, L, gen)
+        st = synthetic_state(ref, L, 64, seed=0, gen=gen)
+        restore = restorer(st, clone_state(st))
+        keep.append((cache, st))
+        for v in variants:
+            rnd = Round(fast, cache, sampling, draft)
+            if v != "default":
+                ab_variant(v)(rnd)
+            step = step_fn(rnd, st)
+            with torch.no_grad():
+                arms[v, L] = (capture(step, restore).replay if CUDA else step, restore)
+        log(f"sweep: context {L} captured ({', '.join(variants)})")
+    times = {key: [] for key in arms}
+    with torch.no_grad():
+        for r in range(rounds):
+            for key in random.Random(r).sample(list(arms), len(arms)):
+                replay, restore = arms[key]
+                restore()
+                sync()
+                times[key].append(time_call(replay) * 1e3)
+    model = f"{cfg.name} rank0/{shard.tp_size}"
+    for v in variants:
+        kv, floors = {}, {}
+        for L in contexts:
+            b = step_bytes(cfg, shard, L, min(DISTINCT_6ROWS, cfg.num_experts), min(8, cfg.num_experts))
+            kv[L], floors[L] = b["verify_kv"] + b["draft_kv"], b["total"] / copy_bw * 1e3
+            ROWS.append(dict(model=model, context=L, arm="sweep", variant=v, sweep_ms=statistics.median(times[v, L]),
+                             times_ms=times[v, L], kv_bytes=kv[L], floor_ms=floors[L], rounds=rounds))
+        fit = kernel_report.sweep_fit(kv, {L: times[v, L] for L in contexts}, copy_bw)
+        for line in kernel_report.sweep_lines(fit, floors):
+            log(f"[{v}] {line}")
+        ROWS.append(dict(model=model, context=max(contexts), arm="sweep-fit", variant=v,
+                         **{k: x for k, x in fit.items() if k != "per_context"}))
+    del arms, keep
+    if CUDA:
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -908,6 +973,14 @@ def table(copy_bw) -> str:
             lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} ratio {r['ratio']:.3f}")
         elif "error" in r:
             lines.append(f"{r['model']:<16} {r['context']:>6} {r['arm']:<16} {r['error']}")
+        elif r.get("arm") == "sweep":
+            lines.append(f"{r['model']:<16} {r['context']:>6} {'sweep ' + r['variant']:<16} {r['sweep_ms']:>9.3f} "
+                         f"{'':>8} {r['floor_ms']:>9.3f} {r['floor_ms'] / r['sweep_ms']:>8.3f}")
+        elif r.get("arm") == "sweep-fit":
+            lines.append(f"{r['model']:<16} {'':>6} sweep fit, {r['variant']}: " + (
+                f"t = {r['f_ms']:.3f} ms + KV bytes / {r['rate'] / 1e12:.2f} TB/s = {r['frac']:.3f} of copy "
+                f"bandwidth per extra KV byte (rounds 10-90 %: {r['rate_p10'] / copy_bw:.3f}-"
+                f"{r['rate_p90'] / copy_bw:.3f})" if r["ok"] else "no positive slope"))
         elif r.get("arm") == "floor-bytes":
             gb = {k: r[k] / 1e9 for k in r if k.startswith(("verify_", "draft_", "total"))}
             lines.append(f"{r['model']:<16} {r['context']:>6} floor bytes (GB): total {gb['total']:.3f} = verify "
@@ -919,10 +992,23 @@ def table(copy_bw) -> str:
     return "\n".join(lines)
 
 
+def _ints(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(",") if x.strip())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, q1-tiny shapes")
-    ap.add_argument("--contexts", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8192, 65536))
+    ap.add_argument("--contexts", type=_ints, default=(8192, 65536),
+                    help="q1 contexts timed eager, as a graph and on the reference (default 8192,65536; '' for none)")
+    ap.add_argument("--sweep", type=_ints, default=(), metavar="CONTEXTS",
+                    help="also time the fast step's graph at these q1 contexts (e.g. 8192,32768,65536,131072,196096) "
+                         "in paired rounds and fit its time against the K/V bytes it reads: what one more KV "
+                         "byte costs the step, as a fraction of copy bandwidth (step_sweep.png with OUT)")
+    ap.add_argument("--sweep-rounds", type=int, default=40, help="paired rounds of --sweep (default 40)")
+    ap.add_argument("--sweep-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
+                    metavar="NAMES", help="--sweep also for these --ab variants (their graphs in the same rounds), "
+                                          "e.g. attn_ns66 (half the attention grid: a lower rate per KV byte)")
     ap.add_argument("--reps-fast", type=int, default=None)
     ap.add_argument("--reps-ref", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
@@ -945,6 +1031,9 @@ def main() -> int:
                          "with --ab, both graphs of every pair as well")
     args = ap.parse_args()
     args.ab = [name for names in args.ab for name in names]
+    for v in args.sweep_variants:
+        if v != "default" and (v.startswith("ceil_") or v not in AB_VARIANTS):
+            ap.error(f"--sweep-variants: {v!r} is not an --ab variant (ablations are not: they change the routing)")
     try:
         check_ab_names(args.ab, args.ab_base)
     except KeyError as e:
@@ -973,6 +1062,10 @@ def main() -> int:
                                        "profiles": PROFILES}, ROWS)
     if out:
         log(f"wrote {out}/bench_step.json, .csv")
+        if any(r.get("arm") == "sweep" for r in ROWS):
+            fits, floors = kernel_report.sweep_from_payload({"rows": ROWS, "copy_bw": copy_bw})
+            kernel_report.plot_sweep(fits, {**env, "copy_bw": copy_bw}, os.path.join(out, "step_sweep.png"), floors)
+            log(f"wrote {out}/step_sweep.png")
     log("done")
     print(table(copy_bw), flush=True)
     return 0

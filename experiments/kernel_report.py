@@ -22,7 +22,11 @@ JSON):
   run at other contexts; ``--ab AB_JSON``: the same line for every config of such a run, e.g. the flat
   reader, the stream alone and the stream with partials and the combine);
 * ``step.png`` (with ``--step``, a ``bench_step.py --profile`` JSON or its folder): the q1 step's
-  critical path per part, per context, beside the step's graph time and its floor.
+  critical path per part, per context, beside the step's graph time and its floor;
+* ``step_sweep.png`` (with ``--step``, a ``bench_step.py --sweep`` JSON; the bench_kernels JSON may
+  then be left out): the step's graph time against the K/V bytes it reads over several contexts, the
+  line fitted per paired round (``sweep_fit``: what one more KV byte costs the whole step, as a
+  fraction of copy bandwidth), and the step's floor beside it.
 
 Exit status 1 when any goal fails. ``bench_kernels.py`` prints its goals through ``goal_checks`` and
 ``attention_lines`` and writes the first two figures itself. Nothing here imports torch; matplotlib
@@ -34,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 ATTENTION_GOAL = 0.70       # of copy bandwidth, full-cache attention at >= 64K keys
@@ -145,14 +150,20 @@ def _fit_series(out: dict) -> dict:
             if len({b for b, _ in pts}) < 2:
                 continue
             pts.sort()
-            n = len(pts)
-            mx = sum(b for b, _ in pts) / n
-            my = sum(t for _, t in pts) / n
-            slope = sum((b - mx) * (t - my) for b, t in pts) / sum((b - mx) ** 2 for b, _ in pts)
+            f, slope = _line(pts)
             if slope <= 0:
                 continue
-            model.setdefault(w, {})[label] = dict(f_us=my - slope * mx, rate=1e6 / slope, points=pts)
+            model.setdefault(w, {})[label] = dict(f_us=f, rate=1e6 / slope, points=pts)
     return model
+
+
+def _line(pts) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through [(x, y), ...] (two distinct x or more)."""
+    n = len(pts)
+    mx = sum(b for b, _ in pts) / n
+    my = sum(t for _, t in pts) / n
+    slope = sum((b - mx) * (t - my) for b, t in pts) / sum((b - mx) ** 2 for b, _ in pts)
+    return my - slope * mx, slope
 
 
 def ab_model(ab_rows: list[dict]) -> dict:
@@ -422,6 +433,109 @@ def plot_step(payload: dict, path: str) -> dict:
     return parts
 
 
+# ------------------------------------------------------------------ the step's context sweep (--sweep)
+def sweep_fit(kv_bytes: dict, times_ms: dict, copy_bw: float) -> dict:
+    """The q1 step's graph time against the KV bytes its full-attention passes read (``bench_step.py
+    --sweep``): what one more byte of context costs the whole step, fixed costs aside.
+
+    ``kv_bytes``: {context: bytes of K/V the step reads at that context}; ``times_ms``: {context: [ms
+    of one step, one per round]}, the rounds paired (round i replays every context's graph once, in a
+    shuffled order), so drifts common to a round cancel in its slope. Per round, the least-squares
+    line t = f + bytes / B over the contexts. Returns the median round's slope as ``rate`` (B, bytes
+    per second), its 10-90 % range over the rounds (``rate_p10`` / ``rate_p90``, low to high),
+    ``frac`` = B / copy_bw (1.0: each extra KV byte costs the step what it costs the copy; the floor's
+    own line has exactly that slope), ``f_ms`` (the median times' line at zero bytes), per context
+    the median ms and the 10-90 % range, and ``ok`` (False when the median slope is not positive: the
+    contexts do not separate, e.g. wall-clock times of a dry run). Raises ValueError on fewer than two
+    contexts or on contexts with unequal round counts."""
+    ctx = sorted(times_ms)
+    if len(ctx) < 2 or len({kv_bytes[c] for c in ctx}) < 2:
+        raise ValueError(f"a sweep needs two contexts or more with different KV bytes, got {ctx}")
+    rounds = {len(times_ms[c]) for c in ctx}
+    if len(rounds) != 1 or 0 in rounds:
+        raise ValueError(f"every context needs the same number of rounds (paired), got "
+                         f"{ {c: len(times_ms[c]) for c in ctx} }")
+    n = rounds.pop()
+    slopes = sorted(_line([(kv_bytes[c], times_ms[c][i] * 1e-3) for c in ctx])[1] for i in range(n))
+    med = [statistics.median(times_ms[c]) for c in ctx]
+    f_s, slope_med = _line([(kv_bytes[c], m * 1e-3) for c, m in zip(ctx, med)])
+    slope = statistics.median(slopes)
+    ok = slope > 0
+    lo, hi = slopes[(9 * n) // 10], slopes[n // 10]   # the largest slope is the lowest rate
+    rate = 1 / slope if ok else math.nan
+    per = {c: dict(kv_bytes=kv_bytes[c], ms=m, p10_ms=sorted(times_ms[c])[n // 10],
+                   p90_ms=sorted(times_ms[c])[(9 * n) // 10]) for c, m in zip(ctx, med)}
+    return dict(contexts=ctx, rounds=n, ok=ok, rate=rate, frac=rate / copy_bw if ok else math.nan,
+                rate_p10=1 / lo if lo > 0 else math.nan, rate_p90=1 / hi if hi > 0 else math.nan,
+                f_ms=f_s * 1e3, median_line_rate=1 / slope_med if slope_med > 0 else math.nan,
+                copy_bw=copy_bw, per_context=per)
+
+
+def sweep_lines(fit: dict, floor_ms: dict | None = None) -> list[str]:
+    """The sweep's result as printed lines (``floor_ms``: {context: the step's floor}, optional)."""
+    head = (f"the q1 step against its KV bytes ({len(fit['contexts'])} contexts, {fit['rounds']} paired "
+            f"rounds): ")
+    if not fit["ok"]:
+        return [head + "no positive slope (the contexts' times do not separate)"]
+    bw = fit["copy_bw"]
+    lines = [head + f"t = {fit['f_ms']:.3f} ms + KV bytes / {fit['rate'] / 1e12:.2f} TB/s: each extra KV byte "
+             f"costs the step {1 / fit['frac']:.3f}x what it costs the copy (B = {fit['frac']:.3f} of copy "
+             f"bandwidth; rounds 10-90 %: {fit['rate_p10'] / bw:.3f}-{fit['rate_p90'] / bw:.3f})"]
+    for c, p in fit["per_context"].items():
+        fl = (floor_ms or {}).get(c)
+        lines.append(f"  {c:>7} keys: KV {p['kv_bytes'] / 1e9:.3f} GB, step {p['ms']:.3f} ms "
+                     f"[{p['p10_ms']:.3f}, {p['p90_ms']:.3f}]" + (f", floor {fl:.3f} ms" if fl else ""))
+    return lines
+
+
+def plot_sweep(fits: dict, env: dict, path: str, floor_ms: dict | None = None) -> None:
+    """step_sweep.png: per variant ({name: sweep_fit}), the step's time (median, 10-90 % bars) against
+    its KV bytes with the fitted line, and the floor (bytes over copy bandwidth) at the same contexts:
+    equal slopes mean the step pays each extra KV byte at the copy's rate."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    xmax = 0.0
+    for i, (name, fit) in enumerate(fits.items()):
+        per, color = fit["per_context"], ("C3", "C1", "C2", "C4", "C5")[i % 5]
+        x = [per[c]["kv_bytes"] / 1e9 for c in fit["contexts"]]
+        y = [per[c]["ms"] for c in fit["contexts"]]
+        err = [[m - per[c]["p10_ms"] for c, m in zip(fit["contexts"], y)],
+               [per[c]["p90_ms"] - m for c, m in zip(fit["contexts"], y)]]
+        ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, label=f"{name}: step (graph), median, 10-90 %")
+        if fit["ok"]:
+            xs = [0.0, max(x) * 1.05]
+            ax.plot(xs, [fit["f_ms"] + xb * 1e9 / fit["median_line_rate"] * 1e3 for xb in xs], "--", color=color,
+                    label=f"{name}: B = {fit['frac']:.3f} of copy bandwidth per extra KV byte")
+        if i == 0:
+            for xi, yi, c in zip(x, y, fit["contexts"]):
+                ax.annotate(f"{c // 1024}K", (xi, yi), textcoords="offset points", xytext=(4, -12), fontsize=8)
+            if floor_ms:
+                ax.plot(x, [floor_ms[c] for c in fit["contexts"]], "s-", color="C0",
+                        label="floor (bytes / copy bandwidth)")
+        xmax = max(xmax, max(x))
+    ax.set_xlabel("K/V bytes the step reads (GB)")
+    ax.set_ylabel("ms per step")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    _save(plt, fig, f"q1 step against context: {_title(env)}", path)
+
+
+def sweep_from_payload(payload: dict) -> tuple[dict, dict]:
+    """({variant: sweep_fit}, {context: floor ms}) from a bench_step.json holding --sweep rows (the
+    default first). Raises SystemExit when it has none."""
+    rows = [r for r in payload["rows"] if r.get("arm") == "sweep"]
+    if not rows:
+        raise SystemExit("the bench_step JSON has no sweep rows: run bench_step.py with --sweep")
+    names = sorted({r.get("variant", "default") for r in rows}, key=lambda v: (v != "default", v))
+    fits = {}
+    for v in names:
+        mine = [r for r in rows if r.get("variant", "default") == v]
+        fits[v] = sweep_fit({r["context"]: r["kv_bytes"] for r in mine}, {r["context"]: r["times_ms"] for r in mine},
+                            payload["copy_bw"])
+    return fits, {r["context"]: r["floor_ms"] for r in rows}
+
+
 def write_figures(rows: list[dict], env: dict, out: str) -> list[str]:
     """attention.png and attention_model.png (when the run timed full-cache attention) and kernels.png
     into ``out``."""
@@ -441,8 +555,10 @@ def write_figures(rows: list[dict], env: dict, out: str) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernels", help="bench_kernels.json, or the folder a run wrote it to ($OUT)")
-    ap.add_argument("--step", help="bench_step.json of a --profile run (or its folder): also step.png")
+    ap.add_argument("kernels", nargs="?",
+                    help="bench_kernels.json, or the folder a run wrote it to ($OUT); may be left out with --step")
+    ap.add_argument("--step", help="bench_step.json (or its folder) of a --profile run: also step.png; of a "
+                                   "--sweep run: the sweep's line and step_sweep.png")
     ap.add_argument("--out", help="folder for the figures (default: the JSON's folder)")
     ap.add_argument("--no-figures", action="store_true", help="print the goals only")
     ap.add_argument("--ab", help="an ab_attention.py JSON (or its folder): the fixed-cost line of each of its "
@@ -450,6 +566,38 @@ def main(argv=None) -> int:
     ap.add_argument("--holdout", help="an ab_attention.py JSON (or its folder) at other contexts: the fixed-cost "
                                       "model's predictions against its times")
     args = ap.parse_args(argv)
+    if not args.kernels and not args.step:
+        ap.error("give a bench_kernels.json (or its folder), or --step with a bench_step.json")
+    written, status = [], 0
+    if args.kernels:
+        status, out, written = _kernels_report(args)
+    if args.step:
+        step, _, sf = load(args.step, "bench_step")
+        has_profiles = bool(step.get("profiles"))
+        has_sweep = any(r.get("arm") == "sweep" for r in step["rows"])
+        if not (has_profiles or has_sweep):
+            raise SystemExit(f"{sf}: no profiles and no sweep rows: run bench_step.py with --profile or --sweep")
+        out = args.out or (out if args.kernels else os.path.dirname(os.path.abspath(sf)))
+        if has_sweep:
+            fits, floors = sweep_from_payload(step)
+            for v, fit in fits.items():
+                print("\n".join(f"[{v}] {line}" for line in sweep_lines(fit, floors)))
+        if not args.no_figures:
+            os.makedirs(out, exist_ok=True)
+            if has_profiles:
+                plot_step(step, os.path.join(out, "step.png"))
+                written.append(os.path.join(out, "step.png"))
+            if has_sweep:
+                plot_sweep(fits, {**step.get("env", {}), "copy_bw": step["copy_bw"]},
+                           os.path.join(out, "step_sweep.png"), floors)
+                written.append(os.path.join(out, "step_sweep.png"))
+    if written:
+        print("wrote " + ", ".join(written))
+    return status
+
+
+def _kernels_report(args) -> tuple[int, str, list[str]]:
+    """main's bench_kernels part: (exit status, figure folder, figures written)."""
     payload, rows, f = load(args.kernels)
     env = payload["env"]
     print(f"{f}: {len(rows)} rows; {_title(env)}")
@@ -473,16 +621,11 @@ def main(argv=None) -> int:
         print("\n".join(["the fixed-cost model at the held-out contexts:"] + lines))
     goals = goal_checks(rows)
     print(goal_summary(goals))
-    if args.no_figures:
-        return 0 if all(g["ok"] for g in goals) else 1
+    status = 0 if all(g["ok"] for g in goals) else 1
     out = args.out or os.path.dirname(os.path.abspath(f))
-    written = write_figures(rows, env, out)
-    if args.step:
-        step, _, _ = load(args.step, "bench_step")
-        plot_step(step, os.path.join(out, "step.png"))
-        written.append(os.path.join(out, "step.png"))
-    print("wrote " + ", ".join(written))
-    return 0 if all(g["ok"] for g in goals) else 1
+    if args.no_figures:
+        return status, out, []
+    return status, out, write_figures(rows, env, out)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -258,3 +259,85 @@ def test_parts_line_splits_the_64k_call(run):
             r["nomerge_us"] -= 1.0
     tail2 = K.model_lines(parts, bw)[1].split("The 64K call in parts: ")[1]
     assert "its merge 2.25 us" in tail2 and f"this merge: {s_us + 2.25:.2f} us" in tail2
+
+
+# ------------------------------------------------------------------ the step's context sweep (--sweep)
+SWEEP_CTX = (8192, 32768, 65536, 131072, 196096)
+KV_PER_KEY = 27 * 512          # 22 full layers + 5 draft passes, one K/V head of 128 BF16 each
+
+
+def _sweep_times(rate, f_ms=8.5, rounds=40, drift=0.05, noise_ms=0.004, seed=0):
+    """{context: [ms per round]}: f + bytes / rate, every round shifted by one common drift (up to
+    +-drift of the step, as a clock or thermal change would) and each replay by its own small noise."""
+    import random
+    rnd = random.Random(seed)
+    shifts = [rnd.uniform(-drift, drift) * f_ms for _ in range(rounds)]
+    return {c: [f_ms + c * KV_PER_KEY / rate * 1e3 + s + rnd.gauss(0, noise_ms) for s in shifts]
+            for c in SWEEP_CTX}
+
+
+def test_sweep_fit_recovers_the_rate_through_the_pairing():
+    """A step paying 3.9 TB/s per extra KV byte (copy 4.2 TB/s), its rounds drifting by up to 5 % together:
+    the paired fit recovers 0.929 of copy bandwidth, the rounds' rates within 5 % of each other. Negative controls:
+    the same times with one context's rounds shuffled (the pairing broken) spread the rounds' rates far
+    wider; a step that pays twice as much per byte is reported at half the rate."""
+    copy_bw = 4.2e12
+    kv = {c: c * KV_PER_KEY for c in SWEEP_CTX}
+    times = _sweep_times(3.9e12)
+    fit = K.sweep_fit(kv, times, copy_bw)
+    assert fit["ok"] and fit["rounds"] == 40
+    assert fit["frac"] == pytest.approx(3.9 / 4.2, rel=0.01)
+    assert fit["rate_p10"] <= fit["rate"] <= fit["rate_p90"]
+    assert fit["rate_p90"] / fit["rate_p10"] < 1.05
+    assert fit["f_ms"] == pytest.approx(8.5, abs=0.1)
+    assert fit["per_context"][65536]["ms"] == pytest.approx(statistics.median(times[65536]))
+    broken = dict(times)
+    broken[196096] = list(reversed(times[196096]))
+    wide = K.sweep_fit(kv, broken, copy_bw)
+    assert wide["rate_p90"] / wide["rate_p10"] > 2.0
+    dear = K.sweep_fit(kv, _sweep_times(1.95e12), copy_bw)
+    assert dear["frac"] == pytest.approx(1.95 / 4.2, rel=0.01)
+    lines = K.sweep_lines(fit, {c: 5.0 for c in SWEEP_CTX})
+    assert f"B = {fit['frac']:.3f} of copy" in lines[0] and len(lines) == 1 + len(SWEEP_CTX)
+    assert "floor 5.000 ms" in lines[3]
+
+
+def test_sweep_fit_refuses_what_it_cannot_fit():
+    kv = {c: c * KV_PER_KEY for c in SWEEP_CTX}
+    times = _sweep_times(3.9e12)
+    with pytest.raises(ValueError, match="two contexts"):
+        K.sweep_fit({8192: 1}, {8192: [1.0, 2.0]}, 4.2e12)
+    uneven = dict(times)
+    uneven[8192] = times[8192][:-1]
+    with pytest.raises(ValueError, match="same number of rounds"):
+        K.sweep_fit(kv, uneven, 4.2e12)
+    flat = {c: [8.5] * 40 for c in SWEEP_CTX}
+    fit = K.sweep_fit(kv, flat, 4.2e12)
+    assert not fit["ok"] and "no positive slope" in K.sweep_lines(fit)[0]
+
+
+def test_sweep_command_line(tmp_path, capsys):
+    """kernel_report.py --step on a bench_step.json with sweep rows (no bench_kernels JSON): the sweep's
+    line and step_sweep.png; a JSON with neither sweep rows nor profiles, and no input at all, refused."""
+    times = _sweep_times(3.9e12)
+    rows = [dict(model="q1 rank0/8", context=c, arm="sweep", sweep_ms=statistics.median(t), times_ms=t,
+                 kv_bytes=c * KV_PER_KEY, floor_ms=5.0 + c * KV_PER_KEY / 4.2e12 * 1e3, rounds=40)
+            for c, t in times.items()]
+    rows += [dict(r, variant="attn_ns66", times_ms=t, sweep_ms=statistics.median(t))
+             for r, t in zip(rows, _sweep_times(1.95e12).values())]
+    p = tmp_path / "bench_step.json"
+    p.write_text(json.dumps({"env": {"device": "test"}, "copy_bw": 4.2e12, "rows": rows}))
+    assert K.main(["--step", str(p), "--out", str(tmp_path / "fig")]) == 0
+    out = capsys.readouterr().out
+    fits, floors = K.sweep_from_payload(json.loads(p.read_text()))
+    assert list(fits) == ["default", "attn_ns66"] and floors[8192] == pytest.approx(5.0 + 8192 * KV_PER_KEY / 4.2e12 * 1e3)
+    assert f"[default] the q1 step" in out and f"B = {fits['default']['frac']:.3f} of copy" in out
+    assert "step_sweep.png" in out and f"[attn_ns66] " in out
+    assert fits["attn_ns66"]["frac"] == pytest.approx(fits["default"]["frac"] / 2, rel=0.02)
+    with open(tmp_path / "fig" / "step_sweep.png", "rb") as f:
+        assert f.read(8) == PNG
+    p.write_text(json.dumps({"copy_bw": 4.2e12, "rows": [{"arm": "fast-graph", "context": 8192, "ms": 1.0}]}))
+    with pytest.raises(SystemExit, match="no profiles and no sweep rows"):
+        K.main(["--step", str(p)])
+    with pytest.raises(SystemExit):
+        K.main([])
