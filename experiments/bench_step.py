@@ -439,6 +439,10 @@ AB_VARIANTS = {
     # request their first block's K and V before Q and take the masked path (kv_first; session 16,
     # default 1); attn_kv_first0 is the way before it
     **{f"attn_kv_first{n}": (lambda rnd, n=n: _attn_opts(rnd, kv_first=n)) for n in (1, 2, 0)},
+    # the same for splits of up to N blocks (a 12-16K cache has 2 per split, 24K 3, 32K 4), each of the
+    # split's N blocks also asked of L2 before the wait (prefetch=N): the blocks after the first, read
+    # after the wait by the masked loop one at a time, then come from L2 (session 35)
+    **{f"attn_kv_first{n}_pf{n}": (lambda rnd, n=n: _attn_opts(rnd, kv_first=n, prefetch=n)) for n in (2, 3, 4)},
     # the pass's glue in torch: RoPE tables (eight launches per pass), ring slots, the embedding gather
     # as torch launches, norms with a zero residual tensor (FastModel.fused_glue off; it also turns the
     # one-launch draft update off)
@@ -952,6 +956,8 @@ def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float,
             log(f"[{v}] {line}")
         ROWS.append(dict(model=model, context=max(contexts), arm="sweep-fit", variant=v,
                          **{k: x for k, x in fit.items() if k != "per_context"}))
+    for line in kernel_report.sweep_ratio_lines({"rows": ROWS}):
+        log(line)
     del arms, keep
     if CUDA:
         torch.cuda.empty_cache()

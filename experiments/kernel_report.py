@@ -329,8 +329,8 @@ def _save(plt, fig, title: str, path: str) -> None:
 
 
 def _title(env: dict) -> str:
-    return (f"{env.get('device', '?')}, copy {env.get('copy_bw', math.nan) / 1e12:.2f} TB/s, "
-            f"{env.get('time', '')}")
+    return ", ".join([f"{env.get('device', '?')}", f"copy {env.get('copy_bw', math.nan) / 1e12:.2f} TB/s"]
+                     + ([env["time"]] if env.get("time") else []))
 
 
 def plot_attention(rows: list[dict], env: dict, path: str) -> dict:
@@ -488,6 +488,23 @@ def sweep_lines(fit: dict, floor_ms: dict | None = None) -> list[str]:
     return lines
 
 
+def sweep_ratio_lines(payload: dict) -> list[str]:
+    """Per non-default variant of a --sweep run and per context, the median of its per-round time over
+    the default's in the same round (the rounds replay every graph once: a paired A/B at every context)
+    with the ratios' 10-90 % range."""
+    rows = [r for r in payload["rows"] if r.get("arm") == "sweep"]
+    base = {r["context"]: r["times_ms"] for r in rows if r.get("variant", "default") == "default"}
+    lines = []
+    for r in rows:
+        v = r.get("variant", "default")
+        if v == "default" or r["context"] not in base:
+            continue
+        q = sorted(t / b for t, b in zip(r["times_ms"], base[r["context"]]))
+        lines.append(f"[{v}] {r['context']:>7} keys: {statistics.median(q):.4f} of the default's step "
+                     f"[{q[len(q) // 10]:.4f}, {q[(9 * len(q)) // 10]:.4f}]")
+    return lines
+
+
 def plot_sweep(fits: dict, env: dict, path: str, floor_ms: dict | None = None) -> None:
     """step_sweep.png: per variant ({name: sweep_fit}), the step's time (median, 10-90 % bars) against
     its KV bytes with the fitted line, and the floor (bytes over copy bandwidth) at the same contexts:
@@ -582,6 +599,7 @@ def main(argv=None) -> int:
             fits, floors = sweep_from_payload(step)
             for v, fit in fits.items():
                 print("\n".join(f"[{v}] {line}" for line in sweep_lines(fit, floors)))
+            print("\n".join(sweep_ratio_lines(step)))
         if not args.no_figures:
             os.makedirs(out, exist_ok=True)
             if has_profiles:

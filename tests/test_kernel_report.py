@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -334,6 +335,18 @@ def test_sweep_command_line(tmp_path, capsys):
     assert f"[default] the q1 step" in out and f"B = {fits['default']['frac']:.3f} of copy" in out
     assert "step_sweep.png" in out and f"[attn_ns66] " in out
     assert fits["attn_ns66"]["frac"] == pytest.approx(fits["default"]["frac"] / 2, rel=0.02)
+    # the paired ratio per context: the half-rate variant 7.6 % dearer at 191K (the same rounds' drifts
+    # cancel: a tight range); control: a variant with the default's own times is exactly 1
+    payload = json.loads(p.read_text())
+    payload["rows"] += [dict(r, variant="same") for r in rows if r.get("variant", "default") == "default"]
+    ratios = K.sweep_ratio_lines(payload)
+    assert len(ratios) == 2 * len(SWEEP_CTX) and all("keys:" in r for r in ratios)
+    (top,) = [m.groups() for m in map(re.compile(
+        r"\[attn_ns66\]\s+196096 keys: ([\d.]+) of the default's step \[([\d.]+), ([\d.]+)\]$").match, ratios) if m]
+    med, lo, hi = map(float, top)
+    expect = (8.5 + 196096 * KV_PER_KEY / 1.95e12 * 1e3) / (8.5 + 196096 * KV_PER_KEY / 3.9e12 * 1e3)
+    assert med == pytest.approx(expect, rel=0.002) and hi - lo < 0.005
+    assert all("1.0000 of the default's step [1.0000, 1.0000]" in r for r in ratios if r.startswith("[same]"))
     with open(tmp_path / "fig" / "step_sweep.png", "rb") as f:
         assert f.read(8) == PNG
     p.write_text(json.dumps({"copy_bw": 4.2e12, "rows": [{"arm": "fast-graph", "context": 8192, "ms": 1.0}]}))

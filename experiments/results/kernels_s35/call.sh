@@ -10,7 +10,7 @@ for s in ${STEPS:-sweep bench}; do
   t=$(date +%s)
   case $s in
     sweep) OUT=$c/sweep PYTHONUNBUFFERED=1 timeout ${SWEEPTIMEOUT:-300} python3 experiments/bench_step.py --no-mini \
-             --contexts ${CTX:-8192,65536} --sweep ${SWEEP:-8192,16384,32768,65536,131072,196096} \
+             --contexts "${CTX-8192,65536}" --sweep ${SWEEP:-8192,16384,32768,65536,131072,196096} \
              --sweep-rounds ${ROUNDS:-40} --sweep-variants ${SWEEPVAR:-attn_ns66} > "$c/sweep.log" 2>&1
            echo "sweep: exit $? in $(( $(date +%s) - t )) s" | tee -a "$c/steps.txt"
            python3 experiments/kernel_report.py --step "$c/sweep" > "$c/sweep_report.log" 2>&1
