@@ -407,6 +407,9 @@ LINEAR_VARIANTS = {
 
 # Same-run A/B of the fast step's graph (--ab NAME): NAME's change applied to a second Round.
 AB_VARIANTS = {
+    # the default again in a graph of its own: an A/A control (with --ab, the pair's own spread; with
+    # --sweep-variants, what capturing the same step twice does to its time at each context)
+    "default_again": lambda rnd: None,
     # the round's uniforms from rng.uniform's torch sequence (~50 launches per call) instead of the
     # one-launch kernel (FastModel.uniform)
     "torch_uniforms": lambda rnd: setattr(rnd, "_uniform", rng.uniform),
