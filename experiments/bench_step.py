@@ -359,6 +359,15 @@ def ab_variant(name: str):
     return lambda rnd: _ablate(rnd, *parts)
 
 
+def check_sweep_variants(names: list[str]) -> None:
+    """--sweep-variants takes the --ab variants that change how the step runs, not the ablations
+    (measurement only: they skip launches and replay a routing recorded at one context)."""
+    for v in names:
+        if v != "default" and (v.startswith("ceil_") or v not in AB_VARIANTS):
+            raise ValueError(f"{v!r} is not an --ab variant" + (" (ablations are not swept)" if v.startswith("ceil_")
+                                                                  else ""))
+
+
 def check_ab_names(names: list[str], base: str | None) -> None:
     """KeyError for an unknown name, ValueError for an ablation pair that would change the routing
     (``_ablate``'s rule, checked before any GPU work)."""
@@ -1040,9 +1049,10 @@ def main() -> int:
                          "with --ab, both graphs of every pair as well")
     args = ap.parse_args()
     args.ab = [name for names in args.ab for name in names]
-    for v in args.sweep_variants:
-        if v != "default" and (v.startswith("ceil_") or v not in AB_VARIANTS):
-            ap.error(f"--sweep-variants: {v!r} is not an --ab variant (ablations are not: they change the routing)")
+    try:
+        check_sweep_variants(args.sweep_variants)
+    except ValueError as e:
+        ap.error(f"--sweep-variants: {e}")
     try:
         check_ab_names(args.ab, args.ab_base)
     except KeyError as e:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
 
 from _bench import HOST_GAP_US, critical_path  # noqa: E402
@@ -76,3 +78,27 @@ def test_carveouts_refuse_when_no_kernel_was_recorded(monkeypatch):
     with _bench.carveouts([(["_moe_gate_up_kernel"], 57)]):
         assert calls == [(57, ["_moe_gate_up_kernel"])]
     assert calls[-1] == (-1, None)   # back at the driver's default afterwards
+
+
+def test_sweep_takes_the_ab_variants_but_not_the_ablations():
+    """bench_step.py --sweep-variants: the --ab variants (default_again, the A/A control, among them),
+    not the ablations (they replay a routing recorded at one context) nor unknown names; --contexts ''
+    is no context at all."""
+    import types
+
+    import bench_step
+
+    bench_step.check_sweep_variants(["default", "default_again", "attn_ns66", "attn_kv_first2_pf2"])
+    with pytest.raises(ValueError, match="ablations are not swept"):
+        bench_step.check_sweep_variants(["attn_ns66", "ceil_router"])
+    with pytest.raises(ValueError, match="'attn_ns67' is not an --ab variant"):
+        bench_step.check_sweep_variants(["attn_ns67"])
+    rnd = types.SimpleNamespace(model="m")
+    bench_step.AB_VARIANTS["default_again"](rnd)
+    assert vars(rnd) == {"model": "m"}
+    shared = types.SimpleNamespace(_attn_options={"variant": "v2"})
+    ns66 = types.SimpleNamespace(model=shared)
+    bench_step.AB_VARIANTS["attn_ns66"](ns66)
+    assert ns66.model._attn_options == {"variant": "v2", "num_splits": 66}
+    assert shared._attn_options == {"variant": "v2"}   # a copy of the model changed, not the shared one
+    assert bench_step._ints("") == () and bench_step._ints("8192,65536") == (8192, 65536)
