@@ -463,8 +463,10 @@ def sweep_fit(kv_bytes: dict, times_ms: dict, copy_bw: float) -> dict:
     ok = slope > 0
     lo, hi = slopes[(9 * n) // 10], slopes[n // 10]   # the largest slope is the lowest rate
     rate = 1 / slope if ok else math.nan
-    per = {c: dict(kv_bytes=kv_bytes[c], ms=m, p10_ms=sorted(times_ms[c])[n // 10],
-                   p90_ms=sorted(times_ms[c])[(9 * n) // 10]) for c, m in zip(ctx, med)}
+    per = {}
+    for c, m in zip(ctx, med):
+        ts = sorted(times_ms[c])
+        per[c] = dict(kv_bytes=kv_bytes[c], ms=m, p10_ms=ts[n // 10], p90_ms=ts[(9 * n) // 10])
     return dict(contexts=ctx, rounds=n, ok=ok, rate=rate, frac=rate / copy_bw if ok else math.nan,
                 rate_p10=1 / lo if lo > 0 else math.nan, rate_p90=1 / hi if hi > 0 else math.nan,
                 f_ms=f_s * 1e3, median_line_rate=1 / slope_med if slope_med > 0 else math.nan,
@@ -507,11 +509,10 @@ def sweep_ratio_lines(payload: dict) -> list[str]:
 
 def plot_sweep(fits: dict, env: dict, path: str, floor_ms: dict | None = None) -> None:
     """step_sweep.png: per variant ({name: sweep_fit}), the step's time (median, 10-90 % bars) against
-    its KV bytes with the fitted line, and the floor (bytes over copy bandwidth) at the same contexts:
+    its KV bytes with the line through the medians (labelled with the rounds' median B), and the floor (bytes over copy bandwidth) at the same contexts:
     equal slopes mean the step pays each extra KV byte at the copy's rate."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    xmax = 0.0
     for i, (name, fit) in enumerate(fits.items()):
         per, color = fit["per_context"], ("C3", "C1", "C2", "C4", "C5")[i % 5]
         x = [per[c]["kv_bytes"] / 1e9 for c in fit["contexts"]]
@@ -529,7 +530,6 @@ def plot_sweep(fits: dict, env: dict, path: str, floor_ms: dict | None = None) -
             if floor_ms:
                 ax.plot(x, [floor_ms[c] for c in fit["contexts"]], "s-", color="C0",
                         label="floor (bytes / copy bandwidth)")
-        xmax = max(xmax, max(x))
     ax.set_xlabel("K/V bytes the step reads (GB)")
     ax.set_ylabel("ms per step")
     ax.set_ylim(bottom=0)
