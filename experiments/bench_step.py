@@ -856,7 +856,7 @@ def run_ab(args, L: int, model: str, new_round, st, restore) -> None:
 
 def bench_q1(args, copy_bw):
     cfg, shard, ref, fast, wbytes = build_q1(args)
-    contexts = (40, 150) if DRY_RUN else args.contexts
+    contexts = (40, 150) if DRY_RUN and args.contexts else args.contexts
     sampling, draft = SamplingConfig(), DraftConfig(policy="fixed", fixed_depth=DEPTHS)
     gen = torch.Generator(device=DEV).manual_seed(0)
     distinct = None
@@ -956,11 +956,12 @@ def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float,
                 sync()
                 times[key].append(time_call(replay) * 1e3)
     model = f"{cfg.name} rank0/{shard.tp_size}"
+    kv, floors = {}, {}
+    for L in contexts:
+        b = step_bytes(cfg, shard, L, min(DISTINCT_6ROWS, cfg.num_experts), min(8, cfg.num_experts))
+        kv[L], floors[L] = b["verify_kv"] + b["draft_kv"], b["total"] / copy_bw * 1e3
     for v in variants:
-        kv, floors = {}, {}
         for L in contexts:
-            b = step_bytes(cfg, shard, L, min(DISTINCT_6ROWS, cfg.num_experts), min(8, cfg.num_experts))
-            kv[L], floors[L] = b["verify_kv"] + b["draft_kv"], b["total"] / copy_bw * 1e3
             ROWS.append(dict(model=model, context=L, arm="sweep", variant=v, sweep_ms=statistics.median(times[v, L]),
                              times_ms=times[v, L], kv_bytes=kv[L], floor_ms=floors[L], rounds=rounds))
         fit = kernel_report.sweep_fit(kv, {L: times[v, L] for L in contexts}, copy_bw)

@@ -280,7 +280,7 @@ def _sweep_times(rate, f_ms=8.5, rounds=40, drift=0.05, noise_ms=0.004, seed=0):
 def test_sweep_fit_recovers_the_rate_through_the_pairing():
     """A step paying 3.9 TB/s per extra KV byte (copy 4.2 TB/s), its rounds drifting by up to 5 % together:
     the paired fit recovers 0.929 of copy bandwidth, the rounds' rates within 5 % of each other. Negative controls:
-    the same times with one context's rounds shuffled (the pairing broken) spread the rounds' rates far
+    the same times with the longest context's rounds reversed (the pairing broken) spread the rounds' rates far
     wider; a step that pays twice as much per byte is reported at half the rate."""
     copy_bw = 4.2e12
     kv = {c: c * KV_PER_KEY for c in SWEEP_CTX}
@@ -332,8 +332,8 @@ def test_sweep_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     fits, floors = K.sweep_from_payload(json.loads(p.read_text()))
     assert list(fits) == ["default", "attn_ns66"] and floors[8192] == pytest.approx(5.0 + 8192 * KV_PER_KEY / 4.2e12 * 1e3)
-    assert f"[default] the q1 step" in out and f"B = {fits['default']['frac']:.3f} of copy" in out
-    assert "step_sweep.png" in out and f"[attn_ns66] " in out
+    assert "[default] the q1 step" in out and f"B = {fits['default']['frac']:.3f} of copy" in out
+    assert "step_sweep.png" in out and "[attn_ns66] " in out
     assert fits["attn_ns66"]["frac"] == pytest.approx(fits["default"]["frac"] / 2, rel=0.02)
     # the paired ratio per context: the half-rate variant 7.6 % dearer at 191K (the same rounds' drifts
     # cancel: a tight range); control: a variant with the default's own times is exactly 1
