@@ -235,7 +235,12 @@ def capture(step, restore):
 
 
 def _model_variant(rnd: Round, **attrs) -> None:
-    """rnd runs a shallow copy of its model with ``attrs`` set on the copy (same weights, caches)."""
+    """rnd runs a shallow copy of its model with ``attrs`` set on the copy (same weights, caches).
+    Refused on an ablated model: its layers are bound to that model (``_ablate``), so the copy's attrs
+    would never run (``apply_variants`` applies the changes first, then the ablations)."""
+    if getattr(rnd.model, "_ablated", None):
+        raise ValueError(f"a change after the ablation {'+'.join(rnd.model._ablated)} would not run: "
+                         "apply it before (apply_variants)")
     m = copy.copy(rnd.model)
     for k, v in attrs.items():
         setattr(m, k, v)
@@ -357,6 +362,17 @@ def ab_variant(name: str):
     if not parts or not set(parts) <= set(ABLATIONS):
         raise KeyError(name)
     return lambda rnd: _ablate(rnd, *parts)
+
+
+def apply_variants(rnd: Round, *names: str | None) -> None:
+    """The variants ``names`` (None and "default" skipped) applied to rnd: every change first, then the
+    ablations (``ceil_*``), whatever the order given. An ablated model runs layers bound to itself, so
+    a change applied after an ablation changed a copy that nothing ran: until session 35 (found by the
+    sweep's control arm) ``--ab-base ceil_router --ab attn_ns66`` timed the default twice, silently;
+    ``_model_variant`` now refuses that order."""
+    names = [n for n in names if n and n != "default"]
+    for n in sorted(names, key=lambda n: n.startswith("ceil_")):   # stable: changes, then ablations
+        ab_variant(n)(rnd)
 
 
 def check_sweep_variants(names: list[str]) -> None:
@@ -827,14 +843,11 @@ def run_ab(args, L: int, model: str, new_round, st, restore) -> None:
         step_fn(r_rec, st)()
         log(f"q1 ctx={L} routing recorded for the ablations: {len(_ROUTES)} (rows, router) keys")
     r_a = new_round()
-    if args.ab_base:
-        ab_variant(args.ab_base)(r_a)
+    apply_variants(r_a, args.ab_base)
     base = args.ab_base or "default"
     for name in args.ab:
         r_b = new_round()
-        if args.ab_base:
-            ab_variant(args.ab_base)(r_b)
-        ab_variant(name)(r_b)
+        apply_variants(r_b, args.ab_base, name)
         name = f"{base} + {name}" if args.ab_base else name
         if DRY_RUN:
             for r in (r_a, r_b):
@@ -927,22 +940,32 @@ def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float,
     replay, in a seeded shuffled order: no graph always follows another), then per variant
     ``kernel_report.sweep_fit`` of the step's time against the K/V bytes it reads (``step_bytes``'
     verify_kv + draft_kv): the slope is what one more byte of context costs the whole step. Rows: one
-    per variant and context (arm "sweep", every round's ms kept), one fit per variant (arm "sweep-fit")."""
+    per variant and context (arm "sweep", every round's ms kept), one fit per variant (arm "sweep-fit").
+    ``--sweep-base`` (e.g. ceil_router) applies to every arm; with an ablation, the routing is recorded
+    once, at the first context, and replayed everywhere (``_ablate``), so that the MoE's work does not
+    change with the context (each context's synthetic state, drawn in turn, routes differently)."""
     contexts = (40, 100, 150) if DRY_RUN else tuple(args.sweep)
     rounds = 2 if DRY_RUN else args.sweep_rounds
     variants = ["default"] + [v for v in args.sweep_variants if v != "default"]
     sampling, draft = SamplingConfig(), DraftConfig(policy="fixed", fixed_depth=DEPTHS)
     arms, keep = {}, []
-    for L in contexts:
+    for i, L in enumerate(contexts):
         cache = ref.new_cache(L + 64 + 16)
         fill_cache(cache, L, gen)
         st = synthetic_state(ref, L, 64, seed=0, gen=gen)
         restore = restorer(st, clone_state(st))
         keep.append((cache, st))
+        if i == 0 and args.sweep_base and _ceil_parts(args.sweep_base):
+            _ROUTES.clear()   # the routing every arm at every context replays: recorded once, here, from a
+            r_rec = Round(fast, cache, sampling, draft)   # pass with only the router ablated
+            _ablate(r_rec, "router")
+            restore()
+            with torch.no_grad():
+                step_fn(r_rec, st)()
+            log(f"sweep: routing recorded at context {L} for every arm: {len(_ROUTES)} (rows, router) keys")
         for v in variants:
             rnd = Round(fast, cache, sampling, draft)
-            if v != "default":
-                ab_variant(v)(rnd)
+            apply_variants(rnd, args.sweep_base, v)
             step = step_fn(rnd, st)
             with torch.no_grad():
                 arms[v, L] = (capture(step, restore).replay if CUDA else step, restore)
@@ -963,7 +986,8 @@ def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float,
     for v in variants:
         for L in contexts:
             ROWS.append(dict(model=model, context=L, arm="sweep", variant=v, sweep_ms=statistics.median(times[v, L]),
-                             times_ms=times[v, L], kv_bytes=kv[L], floor_ms=floors[L], rounds=rounds))
+                             times_ms=times[v, L], kv_bytes=kv[L], floor_ms=floors[L], rounds=rounds,
+                             base=args.sweep_base or "default"))
         fit = kernel_report.sweep_fit(kv, {L: times[v, L] for L in contexts}, copy_bw)
         for line in kernel_report.sweep_lines(fit, floors):
             log(f"[{v}] {line}")
@@ -1028,6 +1052,10 @@ def main() -> int:
     ap.add_argument("--sweep-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
                     metavar="NAMES", help="--sweep also for these --ab variants (their graphs in the same rounds), "
                                           "e.g. attn_ns66 (half the attention grid: a lower rate per KV byte)")
+    ap.add_argument("--sweep-base", default=None, metavar="NAME",
+                    help="apply this variant to every arm of --sweep; ceil_router (recommended): the routing "
+                         "recorded once at the first context and replayed at all of them, so that the MoE does "
+                         "the same work at every context (the synthetic states route differently per context)")
     ap.add_argument("--reps-fast", type=int, default=None)
     ap.add_argument("--reps-ref", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
@@ -1052,8 +1080,10 @@ def main() -> int:
     args.ab = [name for names in args.ab for name in names]
     try:
         check_sweep_variants(args.sweep_variants)
-    except ValueError as e:
-        ap.error(f"--sweep-variants: {e}")
+        if args.sweep_base:
+            check_ab_names([args.sweep_base], None)
+    except (KeyError, ValueError) as e:
+        ap.error(f"--sweep-variants / --sweep-base: {e}")
     try:
         check_ab_names(args.ab, args.ab_base)
     except KeyError as e:

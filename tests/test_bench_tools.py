@@ -102,3 +102,32 @@ def test_sweep_takes_the_ab_variants_but_not_the_ablations():
     assert ns66.model._attn_options == {"variant": "v2", "num_splits": 66}
     assert shared._attn_options == {"variant": "v2"}   # a copy of the model changed, not the shared one
     assert bench_step._ints("") == () and bench_step._ints("8192,65536") == (8192, 65536)
+
+
+def test_changes_run_under_an_ablation_whatever_the_order():
+    """bench_step.apply_variants: a change (attn_ns66) and an ablation (ceil_router) together, given in
+    either order, give a pass that is ablated and runs the change (the stub's layers return the attention
+    options they would call the kernels with). Negative control: the change applied after the ablation,
+    the order that until session 35 silently ran the default's options, is refused."""
+    import types
+
+    import bench_step
+
+    class Stub:
+        def __init__(self):
+            self.shard = types.SimpleNamespace(num_heads=6, num_kv_heads=1)
+            self.cfg = types.SimpleNamespace(head_dim=128, hidden_size=768)
+            self._attn_options, self._proj = {}, None
+
+        def _layers_fast(self, *args, **kw):
+            return dict(self._attn_options)
+
+    for order in (("ceil_router", "attn_ns66"), ("attn_ns66", "ceil_router"), ("default", "attn_ns66")):
+        rnd = types.SimpleNamespace(model=Stub())
+        bench_step.apply_variants(rnd, *order)
+        assert rnd.model._layers_fast() == {"num_splits": 66}
+        assert getattr(rnd.model, "_ablated", ()) == (("router",) if "ceil_router" in order else ())
+    rnd = types.SimpleNamespace(model=Stub())
+    bench_step.ab_variant("ceil_router")(rnd)
+    with pytest.raises(ValueError, match="would not run"):
+        bench_step.ab_variant("attn_ns66")(rnd)
