@@ -349,6 +349,18 @@ def _ablate(rnd: Round, *parts: str) -> None:
     rnd.model._layers_fast = run
 
 
+def record_routing(rnd: Round, st, restore) -> int:
+    """``_ROUTES`` anew from one pass of ``rnd`` with only the router ablated, i.e. the routing the
+    default computes on the restored state, which every ceil_router pass after it replays; returns
+    the number of (rows, router) keys recorded."""
+    _ROUTES.clear()
+    _ablate(rnd, "router")
+    restore()
+    with torch.no_grad():
+        step_fn(rnd, st)()
+    return len(_ROUTES)
+
+
 def _ceil_parts(name: str) -> list[str]:
     """The parts of an ablation name ``ceil_{part}[+{part}...]`` ([] for any other name)."""
     return name[len("ceil_"):].split("+") if name.startswith("ceil_") else []
@@ -835,13 +847,10 @@ def run_ab(args, L: int, model: str, new_round, st, restore) -> None:
     """The --ab pairs at context L: each variant's step graph against the default's (or --ab-base's),
     alternating replays (``time_graph_ab``), logged and added to ROWS. Dry run: each arm's step runs
     once eagerly instead (a check of the variants' plumbing, no timing)."""
-    _ROUTES.clear()   # ceil_router's routing: recorded anew at this context, from a pass with only
-    if any(n.startswith("ceil_") for n in args.ab + [args.ab_base or ""]):   # the router ablated
-        r_rec = new_round()
-        _ablate(r_rec, "router")
-        restore()
-        step_fn(r_rec, st)()
-        log(f"q1 ctx={L} routing recorded for the ablations: {len(_ROUTES)} (rows, router) keys")
+    _ROUTES.clear()   # ceil_router's routing: recorded anew at this context
+    if any(n.startswith("ceil_") for n in args.ab + [args.ab_base or ""]):
+        n = record_routing(new_round(), st, restore)
+        log(f"q1 ctx={L} routing recorded for the ablations: {n} (rows, router) keys")
     r_a = new_round()
     apply_variants(r_a, args.ab_base)
     base = args.ab_base or "default"
@@ -955,14 +964,9 @@ def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float,
         st = synthetic_state(ref, L, 64, seed=0, gen=gen)
         restore = restorer(st, clone_state(st))
         keep.append((cache, st))
-        if i == 0 and args.sweep_base and _ceil_parts(args.sweep_base):
-            _ROUTES.clear()   # the routing every arm at every context replays: recorded once, here, from a
-            r_rec = Round(fast, cache, sampling, draft)   # pass with only the router ablated
-            _ablate(r_rec, "router")
-            restore()
-            with torch.no_grad():
-                step_fn(r_rec, st)()
-            log(f"sweep: routing recorded at context {L} for every arm: {len(_ROUTES)} (rows, router) keys")
+        if i == 0 and args.sweep_base and _ceil_parts(args.sweep_base):   # once, for every arm everywhere
+            n = record_routing(Round(fast, cache, sampling, draft), st, restore)
+            log(f"sweep: routing recorded at context {L} for every arm: {n} (rows, router) keys")
         for v in variants:
             rnd = Round(fast, cache, sampling, draft)
             apply_variants(rnd, args.sweep_base, v)
