@@ -83,6 +83,15 @@ def probe_calls(name, data, n_keys, d):
     readers ``tmas{m}_{rows}_s{stages}`` / ``tmaf{rows}`` and ``tmasm{m}_{rows}_s{stages}`` (the
     stream, then its partials merged by the attention's own combine: a split + merge call with no
     arithmetic) (``_tma_read``, sm_90+ only)."""
+    if name in ("spacer", "spaced"):   # session 35: the attention calls apart, as the step runs them
+        # spacer: a read-only torch sum over a scratch buffer larger than L2 (what a step's kernels between
+        # two attention calls do to DRAM and L2, roughly: read other bytes); spaced: each default call
+        # followed by that sum. spaced - spacer (paired rounds) is the attention's time between other work
+        buf = torch.randn(SPACER_BYTES // 2 if not DRY_RUN else 4096, device=data[0][1].device).to(torch.bfloat16)
+        spacer = [(lambda: buf.sum(dtype=torch.float32)) for _ in data]
+        if name == "spacer":
+            return spacer
+        return [(lambda a=a, b=b: (a(), b())) for a, b in zip(_launches("default", data), spacer)]
     if _ws_attention.PATTERN.fullmatch(name):
         ws_calls = _ws_attention.calls(name, data)
         if ws_calls is None:
@@ -146,6 +155,11 @@ PROBES += ("tmase1_64_s4_k", "tmase1_64_s4_d700b_k")
 PROBES += ("tmasb1_128_s3", "tmasb1_64_s4")
 PROBES += ("tmas1_64_s4", "tmas1_64_s6", "tmas1_128_s3", "tmas2_64_s3", "tmas4_64_s1", "tmas2_32_s6",
            "tmaf16", "tmaf32", "tmaf64", "tmaf128")
+
+# session 35: the default's calls apart (each followed by a read-only sum over SPACER_BYTES), and that sum
+# alone: bench_kernels times attention calls back to back, the step runs them between other kernels
+PROBES += ("spacer", "spaced")
+SPACER_BYTES = 128 * 2**20
 
 CONFIGS = {
     "default": {},
