@@ -993,6 +993,7 @@ def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float,
                              times_ms=times[v, L], kv_bytes=kv[L], floor_ms=floors[L], rounds=rounds,
                              base=args.sweep_base or "default"))
         fit = kernel_report.sweep_fit(kv, {L: times[v, L] for L in contexts}, copy_bw)
+        fit["base"] = args.sweep_base or "default"
         for line in kernel_report.sweep_lines(fit, floors):
             log(f"[{v}] {line}")
         ROWS.append(dict(model=model, context=max(contexts), arm="sweep-fit", variant=v,

@@ -475,8 +475,9 @@ def sweep_fit(kv_bytes: dict, times_ms: dict, copy_bw: float) -> dict:
 
 def sweep_lines(fit: dict, floor_ms: dict | None = None) -> list[str]:
     """The sweep's result as printed lines (``floor_ms``: {context: the step's floor}, optional)."""
+    base = fit.get("base", "default")
     head = (f"the q1 step against its KV bytes ({len(fit['contexts'])} contexts, {fit['rounds']} paired "
-            f"rounds): ")
+            f"rounds{'' if base == 'default' else f', every arm with {base}'}): ")
     if not fit["ok"]:
         return [head + "no positive slope (the contexts' times do not separate)"]
     bw = fit["copy_bw"]
@@ -535,7 +536,9 @@ def plot_sweep(fits: dict, env: dict, path: str, floor_ms: dict | None = None) -
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    _save(plt, fig, f"q1 step against context: {_title(env)}", path)
+    base = next(iter(fits.values())).get("base", "default") if fits else "default"
+    _save(plt, fig, f"q1 step against context{'' if base == 'default' else f' (every arm with {base})'}: "
+                    f"{_title(env)}", path)
 
 
 def sweep_from_payload(payload: dict) -> tuple[dict, dict]:
@@ -550,6 +553,7 @@ def sweep_from_payload(payload: dict) -> tuple[dict, dict]:
         mine = [r for r in rows if r.get("variant", "default") == v]
         fits[v] = sweep_fit({r["context"]: r["kv_bytes"] for r in mine}, {r["context"]: r["times_ms"] for r in mine},
                             payload["copy_bw"])
+        fits[v]["base"] = mine[0].get("base", "default")   # --sweep-base: applied to every arm
     return fits, {r["context"]: r["floor_ms"] for r in rows}
 
 

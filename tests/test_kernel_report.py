@@ -333,6 +333,7 @@ def test_sweep_command_line(tmp_path, capsys):
     fits, floors = K.sweep_from_payload(json.loads(p.read_text()))
     assert list(fits) == ["default", "attn_ns66"] and floors[8192] == pytest.approx(5.0 + 8192 * KV_PER_KEY / 4.2e12 * 1e3)
     assert "[default] the q1 step" in out and f"B = {fits['default']['frac']:.3f} of copy" in out
+    assert "every arm with" not in out and fits["default"]["base"] == "default"
     assert "step_sweep.png" in out and "[attn_ns66] " in out
     assert fits["attn_ns66"]["frac"] == pytest.approx(fits["default"]["frac"] / 2, rel=0.02)
     # the paired ratio per context: the half-rate variant 7.6 % dearer at 191K (the same rounds' drifts
@@ -349,6 +350,9 @@ def test_sweep_command_line(tmp_path, capsys):
     assert all("1.0000 of the default's step [1.0000, 1.0000]" in r for r in ratios if r.startswith("[same]"))
     with open(tmp_path / "fig" / "step_sweep.png", "rb") as f:
         assert f.read(8) == PNG
+    based = {**payload, "rows": [dict(r, base="ceil_router") for r in payload["rows"]]}
+    fits_b, _ = K.sweep_from_payload(based)   # --sweep-base named in every line
+    assert "(5 contexts, 40 paired rounds, every arm with ceil_router)" in K.sweep_lines(fits_b["default"])[0]
     p.write_text(json.dumps({"copy_bw": 4.2e12, "rows": [{"arm": "fast-graph", "context": 8192, "ms": 1.0}]}))
     with pytest.raises(SystemExit, match="no profiles and no sweep rows"):
         K.main(["--step", str(p)])
