@@ -87,7 +87,7 @@ def probe_calls(name, data, n_keys, d):
         # spacer: a read-only torch sum over a scratch buffer larger than L2 (what a step's kernels between
         # two attention calls do to DRAM and L2, roughly: read other bytes); spaced: each default call
         # followed by that sum. spaced - spacer (paired rounds) is the attention's time between other work
-        buf = torch.randn(SPACER_BYTES // 2 if not DRY_RUN else 4096, device=data[0][1].device).to(torch.bfloat16)
+        buf = torch.randn(SPACER_BYTES // 2 if not DRY_RUN else 4096, device=data[0][1].device, dtype=torch.bfloat16)
         spacer = [(lambda: buf.sum(dtype=torch.float32)) for _ in data]
         if name == "spacer":
             return spacer

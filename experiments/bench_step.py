@@ -44,8 +44,11 @@ what fusing them away could save (see ``_ablate`` for why the router's replay is
 rounds (``--sweep-rounds``, every context once per round in a shuffled order) and fits its time against
 the K/V bytes the step reads (``kernel_report.sweep_fit``): the slope is what one more byte of context
 costs the whole step, printed as a fraction of copy bandwidth beside the step's floor, and drawn into
-``step_sweep.png`` when OUT is set (``kernel_report.py --step $OUT`` re-reads it). ``--contexts ''``
-skips the eager / reference timings.
+``step_sweep.png`` when OUT is set (``kernel_report.py --step $OUT`` re-reads it). ``--sweep-base
+ceil_router`` replays one routing, recorded at the first context, in every arm at every context (the
+synthetic states route differently per context, which would change the MoE's work with the context);
+``--sweep-variants`` adds arms (``default_again``: the A/A control). ``--contexts ''`` skips the eager /
+reference timings.
 
 ``--dry-run`` runs the whole script on the CPU through the Triton interpreter at q1-tiny shapes
 (2 layers; rank emulation of 2; wall-clock "timings" that mean nothing), to check the script before
@@ -992,8 +995,8 @@ def context_sweep(args, cfg, shard, fast: FastModel, ref: Model, copy_bw: float,
             ROWS.append(dict(model=model, context=L, arm="sweep", variant=v, sweep_ms=statistics.median(times[v, L]),
                              times_ms=times[v, L], kv_bytes=kv[L], floor_ms=floors[L], rounds=rounds,
                              base=args.sweep_base or "default"))
-        fit = kernel_report.sweep_fit(kv, {L: times[v, L] for L in contexts}, copy_bw)
-        fit["base"] = args.sweep_base or "default"
+    fits, _ = kernel_report.sweep_from_payload({"rows": ROWS, "copy_bw": copy_bw})   # as a saved run is read
+    for v, fit in fits.items():
         for line in kernel_report.sweep_lines(fit, floors):
             log(f"[{v}] {line}")
         ROWS.append(dict(model=model, context=max(contexts), arm="sweep-fit", variant=v,
@@ -1024,11 +1027,9 @@ def table(copy_bw) -> str:
         elif r.get("arm") == "sweep":
             lines.append(f"{r['model']:<16} {r['context']:>6} {'sweep ' + r['variant']:<16} {r['sweep_ms']:>9.3f} "
                          f"{'':>8} {r['floor_ms']:>9.3f} {r['floor_ms'] / r['sweep_ms']:>8.3f}")
-        elif r.get("arm") == "sweep-fit":
-            lines.append(f"{r['model']:<16} {'':>6} sweep fit, {r['variant']}: " + (
-                f"t = {r['f_ms']:.3f} ms + KV bytes / {r['rate'] / 1e12:.2f} TB/s = {r['frac']:.3f} of copy "
-                f"bandwidth per extra KV byte (rounds 10-90 %: {r['rate_p10'] / copy_bw:.3f}-"
-                f"{r['rate_p90'] / copy_bw:.3f})" if r["ok"] else "no positive slope"))
+        elif r.get("arm") == "sweep-fit":   # (the fit's own head line, as the sweep printed it)
+            lines.append(f"{r['model']:<16} {'':>6} sweep fit, {r['variant']}: "
+                         + kernel_report.sweep_lines({**r, "per_context": {}})[0])
         elif r.get("arm") == "floor-bytes":
             gb = {k: r[k] / 1e9 for k in r if k.startswith(("verify_", "draft_", "total"))}
             lines.append(f"{r['model']:<16} {r['context']:>6} floor bytes (GB): total {gb['total']:.3f} = verify "

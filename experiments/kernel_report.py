@@ -157,6 +157,11 @@ def _fit_series(out: dict) -> dict:
     return model
 
 
+def _p10_p90(xs: list) -> tuple:
+    """The 10th and 90th percentile entries of a sorted list (the spreads this report prints)."""
+    return xs[len(xs) // 10], xs[(9 * len(xs)) // 10]
+
+
 def _line(pts) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through [(x, y), ...] (two distinct x or more)."""
     n = len(pts)
@@ -461,12 +466,12 @@ def sweep_fit(kv_bytes: dict, times_ms: dict, copy_bw: float) -> dict:
     f_s, slope_med = _line([(kv_bytes[c], m * 1e-3) for c, m in zip(ctx, med)])
     slope = statistics.median(slopes)
     ok = slope > 0
-    lo, hi = slopes[(9 * n) // 10], slopes[n // 10]   # the largest slope is the lowest rate
+    hi, lo = _p10_p90(slopes)   # the largest slope is the lowest rate
     rate = 1 / slope if ok else math.nan
     per = {}
     for c, m in zip(ctx, med):
-        ts = sorted(times_ms[c])
-        per[c] = dict(kv_bytes=kv_bytes[c], ms=m, p10_ms=ts[n // 10], p90_ms=ts[(9 * n) // 10])
+        p10, p90 = _p10_p90(sorted(times_ms[c]))
+        per[c] = dict(kv_bytes=kv_bytes[c], ms=m, p10_ms=p10, p90_ms=p90)
     return dict(contexts=ctx, rounds=n, ok=ok, rate=rate, frac=rate / copy_bw if ok else math.nan,
                 rate_p10=1 / lo if lo > 0 else math.nan, rate_p90=1 / hi if hi > 0 else math.nan,
                 f_ms=f_s * 1e3, median_line_rate=1 / slope_med if slope_med > 0 else math.nan,
@@ -503,15 +508,17 @@ def sweep_ratio_lines(payload: dict) -> list[str]:
         if v == "default" or r["context"] not in base:
             continue
         q = sorted(t / b for t, b in zip(r["times_ms"], base[r["context"]]))
+        p10, p90 = _p10_p90(q)
         lines.append(f"[{v}] {r['context']:>7} keys: {statistics.median(q):.4f} of the default's step "
-                     f"[{q[len(q) // 10]:.4f}, {q[(9 * len(q)) // 10]:.4f}]")
+                     f"[{p10:.4f}, {p90:.4f}]")
     return lines
 
 
 def plot_sweep(fits: dict, env: dict, path: str, floor_ms: dict | None = None) -> None:
     """step_sweep.png: per variant ({name: sweep_fit}), the step's time (median, 10-90 % bars) against
-    its KV bytes with the line through the medians (labelled with the rounds' median B), and the floor (bytes over copy bandwidth) at the same contexts:
-    equal slopes mean the step pays each extra KV byte at the copy's rate."""
+    its KV bytes with the line through the medians (labelled with the rounds' median B), and the floor
+    (bytes over copy bandwidth) at the same contexts: equal slopes mean the step pays each extra KV
+    byte at the copy's rate."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for i, (name, fit) in enumerate(fits.items()):
