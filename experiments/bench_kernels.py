@@ -22,7 +22,11 @@ For every kernel and shape it prints and records:
   skeleton_us, that TMA stream storing a partial per program with the runtime's own combine launch
   over them (the split + merge design with no arithmetic; ``_tma_read.tmasm1_128_s3``), of_skeleton;
   structure_us, the same two launches with a merge that costs nothing (``tmase1_128_s3``), and
-  nomerge_us, the attention's split followed by that empty dependent instead of its combine (session 31).
+  nomerge_us, the attention's split followed by that empty dependent instead of its combine (session 31);
+  and what a torch user would run instead (``torch_attention.py``, session 36; ``--no-torch`` skips it):
+  torch_sdpa_us, SDPA's fastest fused backend (torch_sdpa_backend; each backend's own torch_sdpa_<name>_us;
+  SDPA has no sink input, so it runs without the sink), and torch_flex_us, flex_attention compiled, with
+  the sink from its log-sum-exp.
 Full results go to $OUT/bench_kernels.json and .csv when OUT is set, with the figures of
 ``kernel_report.py`` (attention.png, attention_model.png, kernels.png); a short table comes last, then every goal of the
 issue with PASS / FAIL (``kernel_report.goal_checks``; ``kernel_report.py`` re-reads a saved run).
@@ -49,6 +53,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import _tma_read  # noqa: E402
+import torch_attention as TA  # noqa: E402
 import kernel_report  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
@@ -268,6 +273,8 @@ def bench_attention(copy_bw, l2, sweep):
             struct_calls = _tma_read.calls("tmase1_128_s3", data) if mode == "full" else None
             structure_us = graph_time(struct_calls)[0] * 1e6 if struct_calls else float("nan")
             nomerge_us = graph_time(_tma_read.without_merge(data))[0] * 1e6 if struct_calls else float("nan")
+            # session 36: torch's own fused attentions on the same sets (what a torch user would run)
+            torch_us = torch_attention_times(data, n_keys) if mode == "full" and TORCH_ROWS[0] else {}
             for name, cfg in configs:
                 long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
                 if name in long_only:
@@ -283,7 +290,8 @@ def bench_attention(copy_bw, l2, sweep):
                              ref_calls=ref_calls if name == "default" else None,
                              eager=name == "default", w=w, keys=n_keys, copy_same_us=copy_us,
                              read_floor_us=read_us, read_floor_tma_us=read_tma_us, skeleton_us=skeleton_us,
-                             structure_us=structure_us, nomerge_us=nomerge_us)
+                             structure_us=structure_us, nomerge_us=nomerge_us,
+                             **(torch_us if name == "default" else {}))
                 row["of_copy_same"] = copy_us / row["graph_us"]
                 row["of_skeleton"] = skeleton_us / row["graph_us"]
                 row["of_read_floor"] = read_us / row["graph_us"]
@@ -294,6 +302,47 @@ def bench_attention(copy_bw, l2, sweep):
 
 
 A_SMS = [132]
+TORCH_ROWS = [True]     # --no-torch: skip torch's own attentions
+
+
+def torch_attention_times(data, n_keys) -> dict:
+    """torch's fused attentions on the sets of one full-cache shape, timed as the kernel is (one graph
+    over the rotating sets): ``torch_sdpa_<backend>_us`` for each fused SDPA backend that runs the shape
+    (without the sink: SDPA has no sink input), ``torch_sdpa_us`` / ``torch_sdpa_backend`` the fastest,
+    and ``torch_flex_us`` (flex_attention compiled, the sink applied from its log-sum-exp). A baseline
+    that fails is reported and left out; it never stops the benchmark."""
+    out = {}
+    q, k, v, sinks = data[0][:4]
+    start = n_keys - q.shape[0]
+    # what each should compute, on the first set: the call (flex) and the call without its sink (SDPA);
+    # *_err = max |torch - reference| / max |reference|, printed when above BF16's few ulps
+    refs = {s: A.attention_reference(q, k, v, start, s, dtype=torch.float32) for s in (None, sinks)}
+
+    def err(calls, ref):
+        o = calls[0]().float()
+        e = ((o - ref).abs().max() / ref.abs().max()).item()
+        if not e < 2e-2:
+            print(f"  torch baseline at {n_keys} keys is off the reference: {e:.3g}", flush=True)
+        return e
+
+    for backend in TA.sdpa_backends(q, k, v, start):
+        try:
+            calls = TA.calls("sdpa", data, n_keys, backend)
+            out[f"torch_sdpa_{backend}_err"] = err(calls, refs[None])
+            out[f"torch_sdpa_{backend}_us"] = graph_time(calls)[0] * 1e6
+        except Exception as e:   # noqa: BLE001  (a backend that runs eagerly but fails in a graph)
+            print(f"  torch SDPA {backend} at {n_keys} keys left out: {type(e).__name__}: {e}", flush=True)
+    sdpa = {k[len("torch_sdpa_"):-3]: t for k, t in out.items() if k.endswith("_us")}
+    if sdpa:
+        best = min(sdpa, key=sdpa.get)
+        out.update(torch_sdpa_us=sdpa[best], torch_sdpa_backend=best)
+    try:
+        calls = TA.calls("flex", data, n_keys, fn=TA.flex_attention if DRY_RUN else None)  # compiled on the GPU
+        out["torch_flex_err"] = err(calls, refs[sinks])
+        out["torch_flex_us"] = graph_time(calls)[0] * 1e6
+    except Exception as e:   # noqa: BLE001
+        print(f"  torch flex_attention at {n_keys} keys left out: {type(e).__name__}: {e}", flush=True)
+    return out
 
 
 # -------------------------------------------------------------------------------------- MoE
@@ -632,8 +681,12 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants")
     ap.add_argument("--only", default="attention,moe,norm,rope,router,sampler,uniform,linear")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy shapes (script check)")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="skip torch's own attentions (SDPA's fused backends, compiled flex_attention) beside "
+                         "every full-cache shape (flex compiles once per shape: ~1 min in all)")
     args = ap.parse_args()
     sweep = not args.no_sweep
+    TORCH_ROWS[0] = not args.no_torch
     if DRY_RUN:
         A_SMS[0], l2, name = 4, 2**20, "cpu (dry run: timings mean nothing)"
     else:
@@ -666,7 +719,8 @@ def main():
               f"{r['frac']:6.3f} {r.get('eager_us', float('nan')):9.2f} "
               f"{r.get('ref_us', float('nan')):9.1f} {r.get('ref_frac', float('nan')):8.4f} "
               f"{r['bytes'] / 1e6:8.2f}")
-    for line in kernel_report.attention_lines(ROWS, copy_bw) + kernel_report.model_lines(ROWS, copy_bw):
+    for line in (kernel_report.attention_lines(ROWS, copy_bw) + kernel_report.model_lines(ROWS, copy_bw)
+                 + kernel_report.torch_lines(ROWS)):
         print(line)
     print(kernel_report.goal_summary(kernel_report.goal_checks(ROWS)))
     out = os.environ.get("OUT")

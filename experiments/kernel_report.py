@@ -11,9 +11,12 @@ JSON):
   the run's copy bandwidth, against context, beside what the same bytes cost without attention
   arithmetic: the split + merge skeleton (TMA stream, a partial per program, the runtime's combine),
   the TMA and the register readers (one launch, reading only) and a torch copy of the K rows; the
-  goal (0.70) as a line at the contexts it applies to (64K, 192K);
+  goal (0.70) as a line at the contexts it applies to (64K, 192K); dotted, where the run has them
+  (session 36 on), what a torch user would run instead: flex_attention compiled and SDPA's fastest
+  fused backend (``torch_lines`` prints the same as times);
 * ``kernels.png``: every kernel shape's fraction of copy bandwidth (its goal where it has one) and its
-  speed-up over the eager torch reference;
+  speed-up over the eager torch reference (attention: also over torch's fastest fused attention, a
+  black diamond);
 * ``attention_model.png``: per width, each of those series' time against the bytes it reads, with
   the straight line ``t = f + bytes / B`` fitted over the contexts from 16K up (``attention_model``):
   ``f`` is what a call costs whatever it reads (launches, ramp, partials, merge), ``B`` the rate it
@@ -54,6 +57,10 @@ FLOORS = (("skeleton_us", "split + merge skeleton, no arithmetic"),
           ("structure_us", "two launches around the TMA stream, a merge that costs nothing"),
           ("nomerge_us", "attention without its merge (measurement only)"))
 FLOOR_COLORS = ("C0", "C1", "C2", "C4", "C5", "C6")   # C3 is the kernel's
+# what a torch user would run for the same call (session 36; runs before it lack them): not floors, drawn dotted
+TORCH = (("torch_flex_us", "torch flex_attention, compiled (with the sink)"),
+         ("torch_sdpa_us", "torch SDPA, fastest fused backend (no sink)"))
+TORCH_COLORS = ("C7", "C8")
 
 
 def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
@@ -118,6 +125,24 @@ def attention_lines(rows: list[dict], copy_bw: float) -> list[str]:
             if us == us:
                 parts.append(f"{label}: {us:.2f} us (= {r['bytes'] / (us * 1e-6) / copy_bw:.3f}; the call "
                              f"takes {r['graph_us'] / us:.2f}x)")
+        out.append("; ".join(parts))
+    return out
+
+
+def torch_lines(rows: list[dict]) -> list[str]:
+    """Per full-cache attention shape timed beside torch's own attentions: the runtime's time, each
+    torch time and how many times the runtime's that is."""
+    out = []
+    for r in _defaults(rows):
+        if r["kernel"] != "attention" or not any(r.get(key, math.nan) == r.get(key, math.nan) for key, _ in TORCH):
+            continue
+        parts = [f"attention {r['shape']} against torch: the runtime {r['graph_us']:.2f} us"]
+        for key, label in TORCH:
+            us = r.get(key, math.nan)
+            if us == us:
+                name = label + (f", {r['torch_sdpa_backend']}" if key == "torch_sdpa_us" and "torch_sdpa_backend" in r
+                                else "")
+                parts.append(f"{name}: {us:.2f} us ({us / r['graph_us']:.1f}x the runtime's time)")
         out.append("; ".join(parts))
     return out
 
@@ -309,7 +334,7 @@ def attention_series(rows: list[dict], copy_bw: float) -> dict:
             continue
         s = out.setdefault(r["w"], {})
         s.setdefault("attention (default)", []).append((r["keys"], r["frac"]))
-        for key, label in FLOORS:
+        for key, label in FLOORS + TORCH:
             us = r.get(key, math.nan)
             if us == us and us > 0:
                 s.setdefault(label, []).append((r["keys"], r["bytes"] / (us * 1e-6) / copy_bw))
@@ -348,6 +373,8 @@ def plot_attention(rows: list[dict], env: dict, path: str) -> dict:
     styles = {"attention (default)": dict(color="C3", lw=2.4, marker="o")}
     for i, (_, label) in enumerate(FLOORS):
         styles[label] = dict(color=FLOOR_COLORS[i], lw=1.3, marker=".", ls="--" if i else "-")
+    for i, (_, label) in enumerate(TORCH):
+        styles[label] = dict(color=TORCH_COLORS[i], lw=1.3, marker="x", ls=":")
     for ax, (w, s) in zip(axes[0], series.items()):
         for label, pts in s.items():
             ax.plot([k for k, _ in pts], [f for _, f in pts], label=label, **styles[label])
@@ -396,9 +423,14 @@ def plot_kernels(rows: list[dict], env: dict, path: str) -> list[dict]:
     speed = [r["ref_us"] / min(r["graph_us"], r.get("eager_us", math.inf)) if "ref_us" in r else math.nan
              for r in drawn]
     a2.barh(y, speed, color="C2")
+    for yi, r in zip(y, drawn):
+        fused = [r[key] for key, _ in TORCH if r.get(key, math.nan) == r.get(key, math.nan)]
+        if fused:
+            a2.plot(min(fused) / r["graph_us"], yi, "kD", ms=4)
     a2.axvline(1.0, color="k", lw=1.2)
     a2.set_xscale("log")
-    a2.set_xlabel("speed-up over the eager torch reference (log; must exceed 1)")
+    a2.set_xlabel("speed-up over the eager torch reference (log; must exceed 1); diamonds: over torch's "
+                  "fastest fused attention")
     a2.grid(axis="x", alpha=0.3)
     _save(plt, fig, f"Decode-round kernels, q1 rank-emulation shard: {_title(env)}", path)
     return drawn
@@ -630,7 +662,7 @@ def _kernels_report(args) -> tuple[int, str, list[str]]:
     payload, rows, f = load(args.kernels)
     env = payload["env"]
     print(f"{f}: {len(rows)} rows; {_title(env)}")
-    for line in attention_lines(rows, env["copy_bw"]) + model_lines(rows, env["copy_bw"]):
+    for line in attention_lines(rows, env["copy_bw"]) + model_lines(rows, env["copy_bw"]) + torch_lines(rows):
         print(line)
     if args.ab:
         _, ab_rows, _ = load(args.ab, "ab_attention")
