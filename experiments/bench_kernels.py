@@ -73,12 +73,12 @@ ATTN = dict(nh=6, nkv=1, d=128, window=4096, contexts=(4096, 16384, 65536, 19660
             ring_start=100000, sweep_min_ctx=65536)
 MOE = dict(H=6144, I=256, E=128, w=6, realistic=38, sets=3)
 NORM = dict(shapes=((6144, 8), (256, 8)))
-SAMPLER = dict(vocabs=(20000, 4096), w=8)
+SAMPLER = dict(vocabs=(20000, 4096), widths=(8, 1))   # w = 1: the step's draft rows (session 36)
 if DRY_RUN:
     ATTN.update(d=64, window=128, contexts=(256, 1024), widths=(4, 8), ring_start=1000, sweep_min_ctx=1024)
     MOE.update(H=256, I=128, E=64, realistic=30, sets=2)
     NORM.update(shapes=((256, 8),))
-    SAMPLER.update(vocabs=(4096,), w=4)
+    SAMPLER.update(vocabs=(4096,), widths=(4,))
 
 
 # ----------------------------------------------------------------------------------- timing
@@ -646,8 +646,7 @@ def bench_uniform(copy_bw, l2, sweep):
 
 # ---------------------------------------------------------------------------------- sampler
 def bench_sampler(copy_bw, l2, sweep):
-    w = SAMPLER["w"]
-    for V in SAMPLER["vocabs"]:
+    for V, w in itertools.product(SAMPLER["vocabs"], SAMPLER["widths"]):
         nbytes = w * V * 4 + w * 4 + w * 20 * 8 + w * 8
         sets = n_sets(w * V * 4, l2, cap=192)
         data = []
@@ -660,9 +659,10 @@ def bench_sampler(copy_bw, l2, sweep):
                     torch.empty(w, dtype=torch.int32, device=DEV))
             data.append((logits, u, outs))
         ref_calls = [(lambda lg=lg, u=u: S.sample_reference(lg, u, 1.0)) for lg, u, _ in data[:4]]
-        variants = [("default", {})]
+        # session 36: the selections by max-reductions (the default before it) and by bitonic sort beside it
+        variants = [("default", {})] + [(f"select_{name}", dict(select=name)) for name in S.SELECTS
+                                        if name != S.SELECT and (sweep or name == "max")]
         if sweep:
-            variants.append((f"bitonic={not S.SELECT_BITONIC}", dict(bitonic=not S.SELECT_BITONIC)))
             # session 18: warps, chunk counts and pass-1 tile sizes (the same outputs for any)
             variants += [(f"warps{n}", dict(num_warps=n)) for n in (4, 16)]
             variants += [(f"nch{n}", dict(nch=n)) for n in (128, 256, 512, 2048) if n <= V]

@@ -490,6 +490,10 @@ AB_VARIANTS = {
     # as torch launches, norms with a zero residual tensor (FastModel.fused_glue off; it also turns the
     # one-launch draft update off)
     "torch_glue": lambda rnd: _model_variant(rnd, fused_glue=False),
+    # the sampler selecting its top 20 by max-reductions (the way before session 36) / bitonic sort
+    # instead of by ranks (kernels.sampler_options select; sampler.SELECT)
+    **{f"sampler_{n}": (lambda rnd, n=n: _model_variant(rnd, _sampler_options={**rnd.model._sampler_options,
+                                                                               "select": n})) for n in ("max", "bitonic")},
     # each draft depth's state update as Round's torch sequence on sample_rows (about twenty launches)
     # instead of FastModel.take_draft (the sampler's kernel, then one launch)
     "torch_draft_update": lambda rnd: setattr(rnd, "_take_draft_hook", None),

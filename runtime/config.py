@@ -186,6 +186,10 @@ def _frozen(v):
     return v
 
 
+# the keyword mappings a KernelsConfig passes through to its kernels' calls
+OPTION_FIELDS = ("attention_options", "moe_options", "sampler_options")
+
+
 @dataclass(frozen=True)
 class KernelsConfig:
     """Which decode pieces of ``backend=fast`` run on their Triton kernel (``fast``) and which on the
@@ -199,10 +203,11 @@ class KernelsConfig:
     linear: str = "fast"       # the decode passes' Q/K/V and output projections
     attention_options: dict = field(default_factory=dict)
     moe_options: dict = field(default_factory=dict)
+    sampler_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # own copies (the YAML's dicts are not aliased); null in YAML means none
-        for f in ("attention_options", "moe_options"):
+        for f in OPTION_FIELDS:
             v = getattr(self, f)
             if v is None or isinstance(v, dict):
                 object.__setattr__(self, f, dict(v or {}))
@@ -220,7 +225,7 @@ class KernelsConfig:
             v = getattr(self, piece)
             if v not in KERNEL_CHOICES:
                 p.append(f"kernels.{piece} must be fast|reference, got {v!r}")
-        for f in ("attention_options", "moe_options"):
+        for f in OPTION_FIELDS:
             v = getattr(self, f)
             if not isinstance(v, dict):
                 p.append(f"kernels.{f} must be a mapping of kernel keywords, got {v!r}")

@@ -56,8 +56,9 @@ each of ``attention``, ``moe``, ``norm``, ``sampler`` and ``linear`` is ``fast``
 (with its all-reduce under TP); norm = :func:`add_rmsnorm_torch` (the kernel's contract on the
 tests' oracle ``add_rmsnorm_reference``); sampler = ``filter_dist`` + ``draw`` on the rank's slice;
 linear = torch matmul (cuBLAS) for the Q/K/V and output projections.
-``attention_options`` / ``moe_options`` are keywords for ``decode_attention_full/_ring`` /
-``fused_moe_fp8``, checked against the kernels' signatures at construction.
+``attention_options`` / ``moe_options`` / ``sampler_options`` are keywords for
+``decode_attention_full/_ring`` / ``fused_moe_fp8`` / ``sample_topk_topp``, checked against the
+kernels' signatures at construction.
 
 Where the kernels run: on CUDA. On a CPU only inside the Triton interpreter (``TRITON_INTERPRET=1``
 set before the kernels were imported, with the interpreter shims of ``tests/kernels/_interp.py``
@@ -107,20 +108,22 @@ def _keyword_options(*fns, drop=()) -> list[str]:
     return sorted(n for n in names or () if n not in drop and not n.startswith("_"))
 
 
-def kernel_options(kernels: KernelsConfig) -> tuple[dict, dict]:
-    """(attention keywords, MoE keywords) of ``kernels`` after checking their names against the
+def kernel_options(kernels: KernelsConfig) -> tuple[dict, dict, dict]:
+    """(attention, MoE, sampler keywords) of ``kernels`` after checking their names against the
     kernel entry points; an unknown name is a ConfigError listing the allowed ones."""
     checks = (("attention_options", kernels.attention_options,
                _keyword_options(_attn.decode_attention_full, _attn.decode_attention_ring, drop=("out",)),
                "decode_attention_full/_ring"),
               ("moe_options", kernels.moe_options, _keyword_options(_moe.moe_plan, drop=("norm",)),
-               "fused_moe_fp8 (moe_plan)"))
+               "fused_moe_fp8 (moe_plan)"),
+              ("sampler_options", kernels.sampler_options,
+               _keyword_options(_sampler.sample_topk_topp, drop=("out",)), "sample_topk_topp"))
     for what, given, allowed, fn in checks:
         unknown = sorted(k for k in given if k not in allowed)
         if unknown:
             raise ConfigError(f"runtime.kernels.{what}: unknown keyword(s) {unknown} for {fn}; "
                               f"allowed: {allowed}")
-    return dict(kernels.attention_options), dict(kernels.moe_options)
+    return dict(kernels.attention_options), dict(kernels.moe_options), dict(kernels.sampler_options)
 
 
 def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -206,7 +209,7 @@ class FastModel(Model):
         if p:
             raise ConfigError("runtime config: " + "; ".join(p))
         self.kernels = kernels
-        self._attn_options, self._moe_options = kernel_options(kernels)
+        self._attn_options, self._moe_options, self._sampler_options = kernel_options(kernels)
         if broken is not None and broken not in BROKEN:
             raise ValueError(f"broken must be one of {BROKEN}, got {broken!r}")
         if broken is not None and _BROKEN_PIECE[broken] and getattr(kernels, _BROKEN_PIECE[broken]) != "fast":
@@ -570,7 +573,7 @@ class FastModel(Model):
         if self.kernels.sampler == "reference" or self._has_peers() or not self.fused_glue or logits.shape[0] != 1:
             return False
         ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
-                                                         s.top_k, s.top_p)
+                                                         s.top_k, s.top_p, **self._sampler_options)
         decided = continue_decided(draft, k)
         mode = _round.CONT_RULE if decided is None else (_round.CONT_ALWAYS if decided else _round.CONT_NEVER)
         r = draft.stop_rule
@@ -595,7 +598,7 @@ class FastModel(Model):
         if u is None:
             u = self._u0[:T] if T <= MAX_DECODE_ROWS else torch.zeros(T, device=logits.device)
         ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
-                                                         s.top_k, s.top_p)
+                                                         s.top_k, s.top_p, **self._sampler_options)
         ids, tok = ids.long(), tok.long()
         if self.shard.vocab_start:
             ids, tok = ids + self.shard.vocab_start, tok + self.shard.vocab_start

@@ -624,6 +624,39 @@ def test_interpreted_kernel_options_reach_the_kernels(tiny_restored_q1_routing, 
 
 
 @cpu_only
+def test_interpreted_sampler_options_reach_the_sampler(interp):
+    """kernels.sampler_options: checked against sample_topk_topp's keywords at construction (an unknown
+    name and the tests' controls refused), passed to the sampler's calls (sample_rows here; the draft
+    update hook passes the same mapping), and each selection serves the reference's distribution; the
+    default passes none (negative control)."""
+    from runtime.config import make_shard
+    from runtime.fast import FastModel
+    from runtime.sampling import filter_dist
+
+    cfg = tiny2()
+    rt = runtime_config_from_dict({"device": "cpu"})
+    shard = make_shard(cfg, rt.tp)
+    bf16 = Model(cfg, dict(random_tensors(cfg, seed=0)), shard, "bfloat16", "cpu")
+    for bad, what in (({"nope": 1}, r"sampler_options: unknown keyword\(s\) \['nope'\].*select"),
+                      ({"out": None}, r"unknown keyword\(s\) \['out'\]"),
+                      ({"_force": 1}, "negative controls")):
+        with pytest.raises(ConfigError, match=what):
+            FastModel.from_model(bf16, kernels=kernels_cfg(sampler_options=bad))
+    g = torch.Generator().manual_seed(2)
+    logits, u, s = torch.randn(4, shard.vocab_size, generator=g) * 3, torch.rand(4, generator=g), rt.sampling
+    want_ids, want_p = filter_dist(logits, s.temperature, s.top_k, s.top_p, shard.vocab_start, None)
+    for opts in ({}, {"select": "max"}, {"select": "rank", "nch": 32}, {"select": "bitonic"}):
+        with pytest.MonkeyPatch.context() as mp:
+            spy = KernelSpy(mp)
+            fm = FastModel.from_model(bf16, kernels=kernels_cfg(sampler_options=opts))
+            ids, p, _, _ = fm.sample_rows(logits, u, s)
+        calls = spy.calls["sample_topk_topp"]
+        assert fm._sampler_options == opts and calls
+        assert all({k: kw.get(k) for k in opts} == opts and set(kw) == set(opts) for kw in calls), (opts, calls)
+        assert torch.equal(ids, want_ids) and (p - want_p).abs().max() < 1e-5, opts
+
+
+@cpu_only
 def test_interpreted_all_reference_pieces_step_is_sync_free(interp):
     """An engine with runtime.kernels all on reference (built from the runtime config: the engine passes
     rt.kernels) runs a step under the host-sync guard and never calls a kernel."""

@@ -24,6 +24,21 @@ So the program selects the top-k of z exactly and never exponentiates the vocabu
   top-k the same way: the exact global top-k, sorted descending.
 * Top-p and the draw on the k values in FP32 (cumsums over a 32-wide vector), then the row's
   outputs: ids [k], filtered probabilities [k], token, index.
+
+Selection by ranks (``select="rank"``, the default since session 36). The two selections above were
+k max-reductions each (2k block-wide reductions in series: most of the kernel's 13-20 us on the H200).
+Ranks replace them: rank_i = #{j : key_j > key_i} from one compare-all tile, and slot r < k of the
+sorted top k is the key whose rank is r (one more reduction). That costs N^2 compares, so it runs on
+small sets only (``_topk_threshold``, the same for both passes):
+* N <= RANK_N = 128 keys (pass 1 with NCH <= 128 chunk maxima) are ranked directly;
+* otherwise the keys are cut into groups (pass 2: the KP gathered chunks; pass 1: RANK_GROUPS = 64 runs
+  of NCH / 64 chunk maxima) and the groups' maxima ranked. The k-th largest group maximum t is a lower
+  bound of the k-th largest key (the k largest group maxima are k keys >= t), so the top k are the
+  top k of the keys >= t. Those (usually k to ~2k of them) are compacted into CMAX = 64 scratch
+  slots per row and pass (an inclusive scan gives each its slot; stored, a CTA barrier, loaded back)
+  and ranked there. More than CMAX keys >= t (many equal or clustered values) falls back to the k
+  max-reductions over all N. Same outputs in every case (the tests force each path in turn, and a
+  clustered input makes the compacted path wrong when forced: its negative control).
 """
 from __future__ import annotations
 
@@ -38,9 +53,16 @@ from ._common import check, launch_signature, next_pow2
 # until then) 22.6 us, 16,384 28.1 us (each step's int64 keys live in registers); 8 x 4,096: equal.
 TILE_ELEMS = 4096
 NUM_WARPS = 8
-# Selection of the top K keys: bitonic tl.topk (True) or K max-reductions (False). Measured on the
-# H200 (experiments/notes/kernels.md): max-reductions 22.7 us vs bitonic 34.6 us at 8 x 20,000.
-SELECT_BITONIC = False
+# Selection of the top K keys (keyword ``select``): "rank" (ranks from compare-all tiles, pass 2 over
+# the members above a threshold; module doc), "max" (K max-reductions) or "bitonic" (tl.topk). Measured
+# on the H200 (experiments/notes/kernels.md): max-reductions 22.7 us vs bitonic 34.6 us at 8 x 20,000
+# (session 9); rank: session 36.
+SELECT = "rank"
+SELECTS = ("rank", "max", "bitonic")
+RANK_N = 128            # at most this many keys are ranked directly (a RANK_N^2 compare tile) ...
+RANK_GROUPS = 64        # ... more are cut into this many groups (pass 1; sm_90 compile: 89 registers at
+                        # 20,000 x 8 rows against 166 for 128 groups, whose BF16 variants spilled)
+CMAX = 64               # the keys above a threshold compacted and ranked (a CMAX^2 compare tile)
 _KEY_MIN = tl.constexpr(-(2 ** 63))
 
 
@@ -75,6 +97,17 @@ def _topk_iterative(x, KP: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _topk_rank(x, KP: tl.constexpr, K: tl.constexpr):
+    """The same as ``_topk_iterative`` for distinct keys (``_KEY_MIN`` = absent), from ranks:
+    rank_i = #{j present : x_j > x_i}; slot r < K holds the key of rank r (``_KEY_MIN`` if none)."""
+    ok = x != _KEY_MIN
+    rank = tl.sum(((x[None, :] > x[:, None]) & ok[None, :]).to(tl.int32), 1)
+    slots = tl.arange(0, KP)
+    hit = (rank[:, None] == slots[None, :]) & ok[:, None] & (slots[None, :] < K)
+    return tl.max(tl.where(hit, x[:, None], _KEY_MIN), 0)
+
+
+@triton.jit
 def _select(x, KP: tl.constexpr, K: tl.constexpr, BITONIC: tl.constexpr):
     if BITONIC:
         r = tl.topk(x, KP)
@@ -83,14 +116,48 @@ def _select(x, KP: tl.constexpr, K: tl.constexpr, BITONIC: tl.constexpr):
     return r
 
 
+@triton.jit
+def _topk_threshold(x, N: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, K: tl.constexpr, scr,
+                    CMAX_: tl.constexpr, FORCE: tl.constexpr):
+    """Sorted top K of the N distinct keys x (``_KEY_MIN`` = absent), as ``_topk_iterative``: ranked
+    directly when N <= RANK_N (G == 0); else through the K-th largest maximum t of N / G groups of G
+    consecutive keys: the keys >= t compacted into ``scr`` [CMAX_] and ranked (module doc). FORCE
+    (tests): 1 compacts whatever their count (wrong beyond CMAX_: the negative control), 2 falls back."""
+    if G == 0:
+        top = _topk_rank(x, KP, K)
+    else:
+        top_g = _topk_rank(tl.max(tl.reshape(x, [N // G, G]), 1), KP, K)
+        t = tl.max(tl.where(tl.arange(0, KP) == K - 1, top_g, _KEY_MIN), 0)
+        sel = (x >= t) & (x != _KEY_MIN)
+        n = tl.sum(sel.to(tl.int32), 0)
+        if FORCE == 1:
+            compact = n >= 0
+        elif FORCE == 2:
+            compact = n < 0
+        else:
+            compact = n <= CMAX_
+        if compact:
+            slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(scr + slot, x, mask=sel & (slot < CMAX_))
+            tl.debug_barrier()     # the CTA's stores before its loads (bar.sync orders global memory too)
+            offs = tl.arange(0, CMAX_)
+            top = _topk_rank(tl.load(scr + offs, mask=offs < n, other=_KEY_MIN), KP, K)
+        else:
+            top = _topk_iterative(x, KP, K)
+    return top
+
+
 @triton.jit(launch_metadata=launch_signature)
 def _sample_kernel(
-    LOGITS, U, TEMP, IDS, PROBS, TOKEN, INDEX,
+    LOGITS, U, TEMP, IDS, PROBS, TOKEN, INDEX, SCR,
     stride_l, stride_ids, stride_probs, temp_value, top_p,
     V: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NCH: tl.constexpr, NT_PAD: tl.constexpr,
     TILE_ROWS: tl.constexpr, TEMP_IS_PTR: tl.constexpr, TEMP_PER_ROW: tl.constexpr,
-    TOPP_BUG: tl.constexpr, BITONIC: tl.constexpr,
+    TOPP_BUG: tl.constexpr, BITONIC: tl.constexpr, RANK: tl.constexpr, G1: tl.constexpr,
+    CMAX_: tl.constexpr, FORCE: tl.constexpr,
 ):
+    """RANK: both selections by ``_topk_threshold`` (pass 1's groups of G1 chunk maxima, 0: ranked
+    directly; pass 2's groups: the gathered chunks), else by ``_select``; FORCE: its tests' switch."""
     row = tl.program_id(0)
     if TEMP_IS_PTR:
         if TEMP_PER_ROW:
@@ -113,7 +180,11 @@ def _sample_kernel(
         best = tl.maximum(best, tl.max(key, 0))
 
     # The K chunks with the largest maxima hold the top K elements.
-    top_chunks = _select(best, KP, K, BITONIC)
+    scr = SCR + row * (2 * CMAX_)
+    if RANK:
+        top_chunks = _topk_threshold(best, NCH, G1, KP, K, scr, CMAX_, FORCE)
+    else:
+        top_chunks = _select(best, KP, K, BITONIC)
     offs_k = tl.arange(0, KP)
     chunk = (0x7FFFFFFF - top_chunks.to(tl.int32)) % NCH
     chunk_ok = (offs_k < K) & (top_chunks != _KEY_MIN)
@@ -122,8 +193,11 @@ def _sample_kernel(
     cidx = tl.arange(0, NT_PAD)[None, :] * NCH + chunk[:, None]
     cok = chunk_ok[:, None] & (cidx < V)
     z = _scaled(tl.load(base + cidx, mask=cok, other=0.0), T)
-    ckey = tl.where(cok, _keys(z, cidx), _KEY_MIN)
-    top = _select(tl.reshape(ckey, [KP * NT_PAD]), KP, K, BITONIC)
+    ckey = tl.reshape(tl.where(cok, _keys(z, cidx), _KEY_MIN), [KP * NT_PAD])
+    if RANK:
+        top = _topk_threshold(ckey, KP * NT_PAD, NT_PAD, KP, K, scr + CMAX_, CMAX_, FORCE)
+    else:
+        top = _select(ckey, KP, K, BITONIC)
 
     ids = 0x7FFFFFFF - top.to(tl.int32)
     hi = (top >> 32).to(tl.int32)
@@ -153,13 +227,15 @@ def _sample_kernel(
 
 
 def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, _topp_bug=False,
-                     bitonic=None, nch=None, tile_elems=None, num_warps=None):
+                     bitonic=None, select=None, nch=None, tile_elems=None, num_warps=None, _force=0):
     """Sample one token per row. logits [w, V] fp32 or bf16; u [w] fp32 in [0, 1); temperature a
     Python number or a device tensor (one value, or [w]). Returns (ids [w, top_k] int32 sorted by
     probability, probs [w, top_k] fp32 filtered and renormalised, token [w] int32, index [w] int32).
     ``out`` may pass those four tensors preallocated. No host synchronisation.
-    ``_topp_bug`` is the tests' negative control (keeps one token too few). Tuning (same outputs for
-    any value): ``nch`` strided chunks (a power of two, default ``_chunk_count(V)``), ``tile_elems``
+    ``_topp_bug`` is the tests' negative control (keeps one token too few); ``_force`` forces the
+    rank selection's path (1: compacted, 2: fallback; module doc). Tuning (same outputs for any
+    value): ``select`` (SELECTS, default SELECT; ``bitonic=True`` means "bitonic", False "max"),
+    ``nch`` strided chunks (a power of two, default ``_chunk_count(V)``), ``tile_elems``
     elements per pass-1 step (default TILE_ELEMS), ``num_warps`` (default NUM_WARPS).
     """
     check(logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
@@ -185,17 +261,23 @@ def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, 
                torch.empty((w,), device=dev, dtype=torch.int32),
                torch.empty((w,), device=dev, dtype=torch.int32))
     ids, probs, token, index = out
+    if select is None:
+        select = SELECT if bitonic is None else ("bitonic" if bitonic else "max")
+    check(select in SELECTS, f"select: one of {SELECTS}")
     nch = int(nch or _chunk_count(V))
     check(nch == next_pow2(nch) and nch >= 2, "nch: a power of two >= 2")
     nt_pad = next_pow2(triton.cdiv(V, nch))
     tile_rows = max(1, min(nt_pad, int(tile_elems or TILE_ELEMS) // nch))
     kp = max(2, next_pow2(top_k))
+    rank = select == "rank"
+    scr = torch.empty((w, 2 * CMAX) if rank else (1,), device=dev, dtype=torch.int64)
+    g1 = 0 if nch <= RANK_N else nch // RANK_GROUPS
     _sample_kernel[(w,)](
-        logits, u, temperature if temp_is_ptr else u, ids, probs, token, index,
+        logits, u, temperature if temp_is_ptr else u, ids, probs, token, index, scr,
         logits.stride(0), ids.stride(0), probs.stride(0), temp_value, float(top_p),
         V=V, K=top_k, KP=kp, NCH=nch, NT_PAD=nt_pad, TILE_ROWS=tile_rows,
         TEMP_IS_PTR=temp_is_ptr, TEMP_PER_ROW=per_row, TOPP_BUG=_topp_bug,
-        BITONIC=SELECT_BITONIC if bitonic is None else bitonic,
+        BITONIC=select == "bitonic", RANK=rank, G1=g1, CMAX_=CMAX, FORCE=int(_force),
         num_warps=int(num_warps or NUM_WARPS),
     )
     return ids, probs, token, index

@@ -247,8 +247,10 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
         U.uniform(seed, torch.arange(7), 2)
     U.uniform(3, torch.arange(7), 2, _bug=True)
     for V in (20000, 4096):
-        for bitonic in (True, False):
-            S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, bitonic=bitonic)
+        for select in S.SELECTS:
+            S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, select=select)
+        for force in (1, 2):
+            S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, _force=force)
         S.sample_topk_topp(torch.randn(8, V).to(bf), torch.rand(8), torch.rand(8), _topp_bug=True)
         S.sample_topk_topp(torch.randn(8, V), torch.rand(8), torch.rand(()))
 

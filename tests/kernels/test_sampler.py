@@ -5,6 +5,10 @@ Same ids (exactly, including the order of ties: lower id first), same chosen ind
 Inputs are drawn so that no top-p or draw boundary is hit exactly (an exact tie of c_i - p_i with
 top_p, e.g. 20 equal logits, is decided by FP32 summation order, which a tree scan and torch's
 cumsum do not share). Negative control: top-p keeping one token too few must fail the same check.
+Every selection (``select``: rank, max, bitonic) is checked; the rank selection's pass 2 also with
+each of its paths forced, and on ``clustered`` logits, where more than CMAX members pass its
+threshold: there the compacted path forced must fail (its negative control) and the default must
+take the fallback and pass.
 """
 from __future__ import annotations
 
@@ -32,11 +36,32 @@ def make_logits(w, V, dtype, kind, seed):
         cols = torch.randperm(V, generator=g)[:30]
         x[:, cols[:3]] = 6.0           # three equal leaders (p about 0.21 each)
         x[:, cols[3:30]] = 4.0         # 27 equal values: about 17 enter the top 20, lower ids first
+    elif kind == "clustered":  # pass 2: five strided chunks full of large values, the top 20 in the
+        # fifth (by chunk maximum): more than CMAX members pass pass 2's threshold, and the compacted
+        # path's first CMAX slots (chunk by chunk) hold the first four chunks only
+        nch = _nch(V)
+        assert 4 * (V // nch) > 64        # the first four chunks overfill the CMAX = 64 slots
+        maxima = (100.0, 99.0, 98.0, 97.0, 96.0)
+        for c, top in zip(range(5, 10), maxima):
+            ids = torch.arange(c, V, nch)
+            lo, hi = (50.0, 80.0) if c == 9 else (10.0, 11.0)
+            x[:, ids] = torch.linspace(lo, hi, len(ids)).expand(w, -1)
+            x[:, ids[0]] = top
+    elif kind == "grouped":  # pass 1 (when it groups its chunk maxima: V = 20000): 80 chunk maxima in
+        # ten full groups, increasing with the chunk, so the top 20 chunks lie beyond the first CMAX
+        # chunk maxima above the threshold
+        assert _nch(V) > 128
+        x[:, :80] = 20.0 + 0.1 * torch.arange(80.0)
     u = torch.rand(w, generator=g)
     u[0] = 0.0
     if w > 1:
         u[-1] = 0.9999999
     return x.to(dtype).to(_dev()), u.to(_dev())
+
+
+def _nch(V):
+    from runtime.kernels import sampler
+    return sampler._chunk_count(V)
 
 
 def mismatch(S, logits, u, temperature, **kw):
@@ -58,12 +83,32 @@ def mismatch(S, logits, u, temperature, **kw):
 @pytest.mark.parametrize("V", [20000, 4096])
 @pytest.mark.parametrize("w", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["normal", "peaked", "flat", "ties"])
-@pytest.mark.parametrize("bitonic", [True, False])
-def test_gpu(V, w, dtype, kind, bitonic):
+@pytest.mark.parametrize("kind", ["normal", "peaked", "flat", "ties", "clustered"])
+@pytest.mark.parametrize("select", ["rank", "max", "bitonic"])
+def test_gpu(V, w, dtype, kind, select):
     S = load_kernels("sampler")
     logits, u = make_logits(w, V, dtype, kind, seed=V + w + len(kind))
-    assert mismatch(S, logits, u, 1.0, bitonic=bitonic) is None
+    assert mismatch(S, logits, u, 1.0, select=select) is None
+
+
+def _rank_paths(S, V, dtype, rows):
+    """The rank selection's paths: each forced, on every kind, equals the reference, except the
+    compacted path forced on clustered / grouped logits (the negative controls: more than CMAX keys
+    above pass 2's / pass 1's threshold there)."""
+    for kind in ("normal", "peaked", "flat", "ties", "clustered") + (("grouped",) if _nch(V) > 128 else ()):
+        logits, u = make_logits(rows, V, dtype, kind, seed=V + len(kind))
+        for force in (0, 1, 2):
+            got = mismatch(S, logits, u, 1.0, select="rank", _force=force)
+            if kind in ("clustered", "grouped") and force == 1:
+                assert got is not None, f"the compacted path forced must lose the {kind} top 20"
+            else:
+                assert got is None, (kind, force, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [20000, 4096])
+def test_gpu_rank_paths(V):
+    _rank_paths(load_kernels("sampler"), V, torch.float32, 8)
 
 
 @pytest.mark.gpu
@@ -134,22 +179,30 @@ def test_gpu_graph_capture():
 
 
 @cpu_only
-@pytest.mark.parametrize("V,dtype,kind,temperature,bitonic", [
-    (4096, torch.float32, "normal", 1.0, True),
-    (4096, torch.bfloat16, "ties", 0.7, True),
-    (20000, torch.float32, "peaked", 1.0, False),
+@pytest.mark.parametrize("V,dtype,kind,temperature,select", [
+    (4096, torch.float32, "normal", 1.0, "bitonic"),
+    (4096, torch.bfloat16, "ties", 0.7, "rank"),
+    (20000, torch.float32, "peaked", 1.0, "max"),
+    (20000, torch.bfloat16, "flat", 1.3, "rank"),
 ])
-def test_interp(V, dtype, kind, temperature, bitonic):
+def test_interp(V, dtype, kind, temperature, select):
     S = load_kernels("sampler")
     logits, u = make_logits(3, V, dtype, kind, seed=V + len(kind))
-    assert mismatch(S, logits, u, temperature, bitonic=bitonic) is None
+    assert mismatch(S, logits, u, temperature, select=select) is None
+
+
+@cpu_only
+@pytest.mark.parametrize("V", [4096, 20000])
+def test_interp_rank_paths(V):
+    _rank_paths(load_kernels("sampler"), V, torch.float32, 2)
 
 
 @cpu_only
 def test_interp_negative_control():
     S = load_kernels("sampler")
     logits, u = make_logits(3, 4096, torch.float32, "normal", seed=3)
-    assert mismatch(S, logits, u, 1.0, _topp_bug=True, bitonic=False) is not None
+    assert mismatch(S, logits, u, 1.0, _topp_bug=True, select="max") is not None
+    assert mismatch(S, logits, u, 1.0, _topp_bug=True) is not None
 
 
 @cpu_only
