@@ -237,17 +237,36 @@ def capture(step, restore):
     return g
 
 
+# Round's hooks (attribute -> the model's method it binds at construction: sampler, uniforms, draft
+# update, settle). Round calls them, not rnd.model's methods, so a variant's model must be rebound there.
+ROUND_HOOKS = {"_sample_rows": "sample_rows", "_uniform": "uniform", "_take_draft_hook": "take_draft",
+               "_settle_hook": "settle"}
+
+
+def _set_model(rnd: Round, m) -> None:
+    """rnd runs ``m``: its model, and each hook of ROUND_HOOKS still bound to the model it replaces
+    rebound to m's method (a hook a variant set otherwise, e.g. None or rng.uniform, is left alone).
+    Until session 36 only rnd.model changed: a variant whose attributes only the hooks read
+    (``sampler_max``'s sampler options; ``torch_glue``'s draft update and settle) timed the default there."""
+    old, rnd.model = rnd.model, m
+    for attr, name in ROUND_HOOKS.items():
+        hook = getattr(rnd, attr, None)
+        if hook is not None and getattr(hook, "__self__", None) is old:
+            setattr(rnd, attr, getattr(m, name))
+
+
 def _model_variant(rnd: Round, **attrs) -> None:
-    """rnd runs a shallow copy of its model with ``attrs`` set on the copy (same weights, caches).
-    Refused on an ablated model: its layers are bound to that model (``_ablate``), so the copy's attrs
-    would never run (``apply_variants`` applies the changes first, then the ablations)."""
+    """rnd runs a shallow copy of its model with ``attrs`` set on the copy (same weights, caches),
+    through ``_set_model``. Refused on an ablated model: its layers are bound to that model
+    (``_ablate``), so the copy's attrs would never run (``apply_variants`` applies the changes first,
+    then the ablations)."""
     if getattr(rnd.model, "_ablated", None):
         raise ValueError(f"a change after the ablation {'+'.join(rnd.model._ablated)} would not run: "
                          "apply it before (apply_variants)")
     m = copy.copy(rnd.model)
     for k, v in attrs.items():
         setattr(m, k, v)
-    rnd.model = m
+    _set_model(rnd, m)
 
 
 def _moe_opts(rnd: Round, **kw) -> None:
@@ -316,7 +335,8 @@ def _ablate(rnd: Round, *parts: str) -> None:
     if "router" not in parts:
         raise ValueError(f"ablation {'+'.join(parts)}: every part but the router changes the routing; "
                          f"use ceil_router+{'+'.join(parts)} or --ab-base ceil_router")
-    m = rnd.model = getattr(rnd.model, "_unablated", rnd.model)
+    _set_model(rnd, getattr(rnd.model, "_unablated", rnd.model))
+    m = rnd.model
     n_qkv = (m.shard.num_heads + 2 * m.shard.num_kv_heads) * m.cfg.head_dim
     h, nhd = m.cfg.hidden_size, m.shard.num_heads * m.cfg.head_dim
     # (the parts as they are launched apart: the pre-MoE norm is its own launch again)
@@ -454,7 +474,7 @@ AB_VARIANTS = {
     # one-launch kernel (FastModel.uniform)
     "torch_uniforms": lambda rnd: setattr(rnd, "_uniform", rng.uniform),
     # the Q/K/V and output projections on torch matmul (cuBLAS) instead of skinny_linear
-    "cublas_linear": lambda rnd: setattr(rnd, "model", FastModel.from_model(
+    "cublas_linear": lambda rnd: _set_model(rnd, FastModel.from_model(
         rnd.model, kernels=dataclasses.replace(rnd.model.kernels, linear="reference"))),
     # skinny_linear launched plainly (no early launch)
     "linear_no_pdl": lambda rnd: _skinny(rnd, pdl=False),
@@ -488,7 +508,8 @@ AB_VARIANTS = {
     **{f"attn_kv_first{n}_pf{n}": (lambda rnd, n=n: _attn_opts(rnd, kv_first=n, prefetch=n)) for n in (2, 3, 4)},
     # the pass's glue in torch: RoPE tables (eight launches per pass), ring slots, the embedding gather
     # as torch launches, norms with a zero residual tensor (FastModel.fused_glue off; it also turns the
-    # one-launch draft update off)
+    # one-launch draft update and settle off: since session 36 (_set_model); before, Round's hooks kept
+    # them on, so earlier torch_glue A/Bs measured the passes' glue only)
     "torch_glue": lambda rnd: _model_variant(rnd, fused_glue=False),
     # the sampler selecting its top 20 by max-reductions (the way before session 36) / bitonic sort
     # instead of by ranks (kernels.sampler_options select; sampler.SELECT)

@@ -131,3 +131,48 @@ def test_changes_run_under_an_ablation_whatever_the_order():
     bench_step.ab_variant("ceil_router")(rnd)
     with pytest.raises(ValueError, match="would not run"):
         bench_step.ab_variant("attn_ns66")(rnd)
+
+
+def test_a_variant_reaches_the_rounds_hooks():
+    """bench_step's model variants rebind Round's hooks (sampler, uniforms, draft update, settle): they are
+    bound to the model at construction, so a variant read only there (sampler_max's options, torch_glue's
+    settle and draft update) timed the default until session 36. A hook a variant replaced (torch_uniforms)
+    stays replaced; the first model is left as it was (the negative control: its hooks still give the
+    default's answers, which is what the unbound Round ran)."""
+    import types
+
+    import bench_step
+    from runtime import rng
+
+    class Stub:
+        def __init__(self):
+            self._sampler_options, self.fused_glue = {}, True
+
+        def sample_rows(self, *a):
+            return dict(self._sampler_options)
+
+        def take_draft(self, *a):
+            return dict(self._sampler_options) if self.fused_glue else False
+
+        def settle(self, *a):
+            return self.fused_glue
+
+        def uniform(self, *a):
+            return "kernel"
+
+    def round_of(m):
+        return types.SimpleNamespace(model=m, _sample_rows=m.sample_rows, _uniform=m.uniform,
+                                     _take_draft_hook=m.take_draft, _settle_hook=m.settle)
+
+    first = Stub()
+    rnd = round_of(first)
+    bench_step.apply_variants(rnd, "torch_uniforms", "sampler_max")
+    assert rnd._sample_rows() == {"select": "max"} and rnd._take_draft_hook() == {"select": "max"}
+    assert rnd._uniform is rng.uniform                # replaced by torch_uniforms, not rebound
+    assert first.sample_rows() == {} and first._sampler_options == {}   # the default, untouched
+    rnd = round_of(Stub())
+    bench_step.apply_variants(rnd, "torch_glue")
+    assert rnd._settle_hook() is False and rnd._take_draft_hook() is False
+    rnd._take_draft_hook = None                       # torch_draft_update's change survives a later variant
+    bench_step.apply_variants(rnd, "sampler_max")
+    assert rnd._take_draft_hook is None and rnd._sample_rows() == {"select": "max"}

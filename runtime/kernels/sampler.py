@@ -60,8 +60,8 @@ NUM_WARPS = 8
 SELECT = "rank"
 SELECTS = ("rank", "max", "bitonic")
 RANK_N = 128            # at most this many keys are ranked directly (a RANK_N^2 compare tile) ...
-RANK_GROUPS = 64        # ... more are cut into this many groups (pass 1; sm_90 compile: 89 registers at
-                        # 20,000 x 8 rows against 166 for 128 groups, whose BF16 variants spilled)
+RANK_GROUPS = 64        # ... more are cut into this many groups (pass 1; sm_90 compile at 20,000 x 8 rows:
+                        # 64-113 registers, against 166-255 with 128 groups, whose BF16 control spilled)
 CMAX = 64               # the keys above a threshold compacted and ranked (a CMAX^2 compare tile)
 _KEY_MIN = tl.constexpr(-(2 ** 63))
 
