@@ -623,6 +623,21 @@ def test_interpreted_kernel_options_reach_the_kernels(tiny_restored_q1_routing, 
     assert all("down_nb" not in kw for kw in spy_fast.calls["fused_moe_fp8"])
 
 
+def test_sampler_options_through_the_harness_overrides():
+    """A paired run's candidate override lands in the arm's kernels.sampler_options (the path
+    attention_options / moe_options take); the control's stays empty."""
+    from replay import arms
+    from replay.paired import compose_without_hydra, rewrite_overrides
+    from runtime.config import load_runtime_config
+
+    cfg = compose_without_hydra(rewrite_overrides(["candidate.runtime.backend=fast",
+                                                   "candidate.runtime.kernels.sampler_options.select=max"]))
+    flat = arms.flatten(cfg["candidate"]["runtime"])
+    assert flat == {"backend": "fast", "kernels.sampler_options.select": "max"}
+    assert load_runtime_config("default", flat).kernels.sampler_options == {"select": "max"}
+    assert load_runtime_config("default", arms.flatten(cfg["control"]["runtime"])).kernels.sampler_options == {}
+
+
 @cpu_only
 def test_interpreted_sampler_options_reach_the_sampler(interp):
     """kernels.sampler_options: checked against sample_topk_topp's keywords at construction (an unknown
