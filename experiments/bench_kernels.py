@@ -332,7 +332,7 @@ def torch_attention_times(data, n_keys) -> dict:
             out[f"torch_sdpa_{backend}_us"] = graph_time(calls)[0] * 1e6
         except Exception as e:   # noqa: BLE001  (a backend that runs eagerly but fails in a graph)
             print(f"  torch SDPA {backend} at {n_keys} keys left out: {type(e).__name__}: {e}", flush=True)
-    sdpa = {k[len("torch_sdpa_"):-3]: t for k, t in out.items() if k.endswith("_us")}
+    sdpa = {key[len("torch_sdpa_"):-3]: t for key, t in out.items() if key.endswith("_us")}
     if sdpa:
         best = min(sdpa, key=sdpa.get)
         out.update(torch_sdpa_us=sdpa[best], torch_sdpa_backend=best)

@@ -129,20 +129,25 @@ def attention_lines(rows: list[dict], copy_bw: float) -> list[str]:
     return out
 
 
+def _torch_times(r: dict) -> dict:
+    """{TORCH key: us} of a row, the torch attentions it timed (NaN or absent: left out)."""
+    return {key: r[key] for key, _ in TORCH if r.get(key, math.nan) == r.get(key, math.nan)}
+
+
 def torch_lines(rows: list[dict]) -> list[str]:
     """Per full-cache attention shape timed beside torch's own attentions: the runtime's time, each
     torch time and how many times the runtime's that is."""
     out = []
     for r in _defaults(rows):
-        if r["kernel"] != "attention" or not any(r.get(key, math.nan) == r.get(key, math.nan) for key, _ in TORCH):
+        times = _torch_times(r) if r["kernel"] == "attention" else {}
+        if not times:
             continue
         parts = [f"attention {r['shape']} against torch: the runtime {r['graph_us']:.2f} us"]
         for key, label in TORCH:
-            us = r.get(key, math.nan)
-            if us == us:
+            if key in times:
                 name = label + (f", {r['torch_sdpa_backend']}" if key == "torch_sdpa_us" and "torch_sdpa_backend" in r
                                 else "")
-                parts.append(f"{name}: {us:.2f} us ({us / r['graph_us']:.1f}x the runtime's time)")
+                parts.append(f"{name}: {times[key]:.2f} us ({times[key] / r['graph_us']:.1f}x the runtime's time)")
         out.append("; ".join(parts))
     return out
 
@@ -424,9 +429,9 @@ def plot_kernels(rows: list[dict], env: dict, path: str) -> list[dict]:
              for r in drawn]
     a2.barh(y, speed, color="C2")
     for yi, r in zip(y, drawn):
-        fused = [r[key] for key, _ in TORCH if r.get(key, math.nan) == r.get(key, math.nan)]
+        fused = _torch_times(r)
         if fused:
-            a2.plot(min(fused) / r["graph_us"], yi, "kD", ms=4)
+            a2.plot(min(fused.values()) / r["graph_us"], yi, "kD", ms=4)
     a2.axvline(1.0, color="k", lw=1.2)
     a2.set_xscale("log")
     a2.set_xlabel("speed-up over the eager torch reference (log; must exceed 1); diamonds: over torch's "

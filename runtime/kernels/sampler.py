@@ -19,7 +19,7 @@ So the program selects the top-k of z exactly and never exponentiates the vocabu
   NCH ~ TILE_ELEMS = 4,096) and keeps one running maximum key per chunk in registers.
 * The top-k elements lie in the k chunks with the largest maxima (the maxima of those k chunks are
   k distinct elements at least as large as anything in any other chunk), so every other chunk is
-  skipped. k max-reductions pick those chunks (or a bitonic ``tl.topk``, ``bitonic=True``).
+  skipped. k max-reductions pick those chunks (or a bitonic ``tl.topk``, ``select="bitonic"``).
 * Pass 2: gather the k chunks' members (k x NT keys, NT = ceil(V / NCH)) from L1/L2 and take their
   top-k the same way: the exact global top-k, sorted descending.
 * Top-p and the draw on the k values in FP32 (cumsums over a 32-wide vector), then the row's
@@ -227,14 +227,14 @@ def _sample_kernel(
 
 
 def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, _topp_bug=False,
-                     bitonic=None, select=None, nch=None, tile_elems=None, num_warps=None, _force=0):
+                     select=None, nch=None, tile_elems=None, num_warps=None, _force=0):
     """Sample one token per row. logits [w, V] fp32 or bf16; u [w] fp32 in [0, 1); temperature a
     Python number or a device tensor (one value, or [w]). Returns (ids [w, top_k] int32 sorted by
     probability, probs [w, top_k] fp32 filtered and renormalised, token [w] int32, index [w] int32).
     ``out`` may pass those four tensors preallocated. No host synchronisation.
     ``_topp_bug`` is the tests' negative control (keeps one token too few); ``_force`` forces the
     rank selection's path (1: compacted, 2: fallback; module doc). Tuning (same outputs for any
-    value): ``select`` (SELECTS, default SELECT; ``bitonic=True`` means "bitonic", False "max"),
+    value): ``select`` (SELECTS, default SELECT),
     ``nch`` strided chunks (a power of two, default ``_chunk_count(V)``), ``tile_elems``
     elements per pass-1 step (default TILE_ELEMS), ``num_warps`` (default NUM_WARPS).
     """
@@ -261,8 +261,7 @@ def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, 
                torch.empty((w,), device=dev, dtype=torch.int32),
                torch.empty((w,), device=dev, dtype=torch.int32))
     ids, probs, token, index = out
-    if select is None:
-        select = SELECT if bitonic is None else ("bitonic" if bitonic else "max")
+    select = select or SELECT
     check(select in SELECTS, f"select: one of {SELECTS}")
     nch = int(nch or _chunk_count(V))
     check(nch == next_pow2(nch) and nch >= 2, "nch: a power of two >= 2")

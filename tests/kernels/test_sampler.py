@@ -5,10 +5,10 @@ Same ids (exactly, including the order of ties: lower id first), same chosen ind
 Inputs are drawn so that no top-p or draw boundary is hit exactly (an exact tie of c_i - p_i with
 top_p, e.g. 20 equal logits, is decided by FP32 summation order, which a tree scan and torch's
 cumsum do not share). Negative control: top-p keeping one token too few must fail the same check.
-Every selection (``select``: rank, max, bitonic) is checked; the rank selection's pass 2 also with
-each of its paths forced, and on ``clustered`` logits, where more than CMAX members pass its
-threshold: there the compacted path forced must fail (its negative control) and the default must
-take the fallback and pass.
+Every selection (``select``: rank, max, bitonic) is checked; the rank selection also with each of
+its paths forced, and on ``clustered`` / ``grouped`` logits, where more than CMAX keys pass pass 2's /
+pass 1's threshold: there the compacted path forced must fail (its negative control) and the default
+must take the fallback and pass.
 """
 from __future__ import annotations
 
