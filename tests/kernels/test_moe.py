@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from ._checks import max_row_rel_err, rel_err
+from ._checks import first_catch, max_row_rel_err, rel_err
 from .conftest import HAS_CUDA, cpu_only, load_kernels
 
 TOL_EMU = 1.5e-2
@@ -200,6 +200,24 @@ def test_q1_shard_pdl(w, kind, prefetch, red_block_h):
     assert _rejected(run_case(M, Q1, w, kind, seed=701 + w, weights=_q1_weights(), _scale_bug=True, **kw))
 
 
+def _down_pdl_error(M, table, no_wait):
+    """Worst error over six replays (new routing and x each) of the q1-shard MoE with PDL in one CUDA
+    graph; no_wait: the wide Down skips griddepcontrol.wait (``_pdl_no_wait``)."""
+    w13, s13, w2, s2 = _q1_weights()
+    g, x, ids, tw, out = _captured_moe(M, w=8, pdl=True, _pdl_no_wait=no_wait, group_table=table)
+    worst = 0.0
+    for seed, kind in ROUTINGS + ((5, "same"), (6, "same"), (7, "random")):
+        new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
+        worst = max(worst, rel_err(out, emu))
+    return worst
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("table", [False, True])
 def test_pdl_without_the_wait_is_caught(table):
@@ -207,24 +225,40 @@ def test_pdl_without_the_wait_is_caught(table):
     the activations; one that skips griddepcontrol.wait (``_pdl_no_wait``) reads the previous
     replay's. In a CUDA graph the launches are back to back (eagerly, the first call of a variant
     compiles it and the race never happens); "same" routing leaves most SMs free for early Down
-    programs. ``table`` (group_table): the Down's wait also guards the Gate/Up's group table."""
+    programs. ``table`` (group_table): the Down's wait also guards the Gate/Up's group table. The race
+    is caught in one of ``RACE_ATTEMPTS``."""
     M = load_kernels("moe")
+    assert _down_pdl_error(M, table, False) < TOL_EMU
+    assert first_catch(lambda: _down_pdl_error(M, table, True) > TOL_EMU)
+
+
+def _router_chain_error(M, R, r, cnt, no_wait):
+    """Worst error over six replays (new x, so new routing, each) of router -> MoE in one CUDA graph;
+    no_wait: Gate/Up skips its griddepcontrol.wait (``_gu_no_wait``)."""
     w13, s13, w2, s2 = _q1_weights()
-    worst = {}
-    for no_wait in (False, True):
-        g, x, ids, tw, out = _captured_moe(M, w=8, pdl=True, _pdl_no_wait=no_wait, group_table=table)
-        worst[no_wait] = 0.0
-        for seed, kind in ROUTINGS + ((5, "same"), (6, "same"), (7, "random")):
-            new_ids, new_tw = make_routing(out.shape[0], Q1["E"], kind, seed)
-            ids.copy_(new_ids)
-            tw.copy_(new_tw)
-            x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
-            out.fill_(float("nan"))
-            g.replay()
-            emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
-            worst[no_wait] = max(worst[no_wait], rel_err(out, emu))
-        del g
-    assert worst[False] < TOL_EMU and worst[True] > TOL_EMU, worst
+    w = 6
+    x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
+    ids = torch.empty(w, 8, dtype=torch.int32, device="cuda")
+    tw = torch.empty(w, 8, device="cuda")
+    out = torch.empty(w, Q1["H"], dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        R.route_topk(x, r, 8, counter=cnt, ids=ids, weights=tw)
+        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _gu_no_wait=no_wait)
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    worst = 0.0
+    for _ in range(6):
+        x.copy_(torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16))
+        out.fill_(float("nan"))
+        g.replay()
+        emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
+        e = rel_err(out, emu)
+        worst = max(worst, e if e == e else float("inf"))
+    return worst
 
 
 @pytest.mark.gpu
@@ -233,38 +267,13 @@ def test_gate_up_waits_for_the_router():
     releases Gate/Up at its start) captured in a CUDA graph and replayed with new x, so new routing
     every replay: the output is the reference's for the router's ids. Negative control: Gate/Up
     launched early without its wait (``_gu_no_wait``) reads the previous replay's ids, and the same
-    check catches it."""
+    check catches it (in one of ``RACE_ATTEMPTS``)."""
     M = load_kernels("moe")
     R = load_kernels("router")
-    w13, s13, w2, s2 = _q1_weights()
-    w = 6
     r = (torch.randn(Q1["E"], Q1["H"], device="cuda") / math.sqrt(Q1["H"])).to(torch.bfloat16)
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
-    worst = {}
-    for no_wait in (False, True):
-        x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
-        ids = torch.empty(w, 8, dtype=torch.int32, device="cuda")
-        tw = torch.empty(w, 8, device="cuda")
-        out = torch.empty(w, Q1["H"], dtype=torch.bfloat16, device="cuda")
-
-        def run():
-            R.route_topk(x, r, 8, counter=cnt, ids=ids, weights=tw)
-            M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _gu_no_wait=no_wait)
-        run()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        worst[no_wait] = 0.0
-        for _ in range(6):
-            x.copy_(torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16))
-            out.fill_(float("nan"))
-            g.replay()
-            emu = M.moe_reference(x, ids, tw, w13, s13, w2, s2, act_block=M.GU_BLOCK_N)
-            e = rel_err(out, emu)
-            worst[no_wait] = max(worst[no_wait], e if e == e else float("inf"))
-        del g
-    assert worst[False] < TOL_EMU and worst[True] > TOL_EMU, worst
+    assert _router_chain_error(M, R, r, cnt, False) < TOL_EMU
+    assert first_catch(lambda: _router_chain_error(M, R, r, cnt, True) > TOL_EMU)
 
 
 @pytest.mark.gpu
@@ -513,9 +522,15 @@ def test_timeline_records_the_launch_order(table):
     assert int((gu[:, 4] == 1).sum()) % (Q1["I"] // M.GU_BLOCK_N) == 0 and dn_act.shape[0] > 0
     assert dn_act[:, 2].min() >= gu[:, 3].max()
     assert red[:, 2].min() >= dn[:, 3].max()
+    assert first_catch(lambda: _down_waited_early(M, table))
+
+
+def _down_waited_early(M, table):
+    """The timeline of a call whose Down skips its wait: some Down program stamps 'waited' before the
+    last Gate/Up program ends."""
     rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=True, group_table=table)
     dn = rec[n_gu:n_gu + n_dn]
-    assert dn[dn[:, 4] == 1][:, 2].min() < rec[:n_gu, 3].max()
+    return bool(dn[dn[:, 4] == 1][:, 2].min() < rec[:n_gu, 3].max())
 
 
 def test_timeline_buffer_is_checked():
