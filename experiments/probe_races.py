@@ -57,6 +57,7 @@ def checks():
         "moe_down_pdl_table": arm(lambda b: TM._down_pdl_error(M, True, b), TM.TOL_EMU),
         "moe_gate_up_after_router": arm(lambda b: TM._router_chain_error(M, R, r, cnt, b), TM.TOL_EMU),
         "linear_after_norm": arm(lambda b: TL._norm_then_linear_error(L, Nm, b), TL.TOL),
+        "linear_after_late_writer": arm(lambda b: TL._late_x_linear_error(L, b), TL.TOL),
     }
 
     def timeline(table):

@@ -1035,7 +1035,13 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
         check(not (group_table and pf), "group_table: no down_prefetch (the expert is known only after the wait)")
         table = None
         if (GROUP_TABLE and not pf if group_table is None else bool(group_table)) and nb > 1:
-            table = torch.empty((min(P, E), GT_COLS), device=dev, dtype=torch.int32)
+            # (_pdl_no_wait, the tests' broken Down, reads the table before the Gate/Up writes it: -1 = no
+            # group keeps what it reads in bounds; an unwritten table's garbage expert / pair indices
+            # made it fault, "operation not supported on global/shared address space", in session 37's
+            # experiments/probe_races.py with 8 processes on the GPU)
+            shape = (min(P, E), GT_COLS)
+            table = (torch.full(shape, -1, device=dev, dtype=torch.int32) if _pdl_no_wait
+                     else torch.empty(shape, device=dev, dtype=torch.int32))
         check(pf >= 0 and (red_block_h is None or red_block_h in (128, 256, 512, 1024, 2048)),
               "down_prefetch >= 0; red_block_h: a power of two in [128, 2048]")
         steps = [

@@ -238,8 +238,10 @@ def _router_chain_error(M, R, r, cnt, no_wait):
     w13, s13, w2, s2 = _q1_weights()
     w = 6
     x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
-    ids = torch.empty(w, 8, dtype=torch.int32, device="cuda")
-    tw = torch.empty(w, 8, device="cuda")
+    # (valid routing to start from: the broken Gate/Up reads ids before the router writes them, and an
+    # unwritten buffer's garbage expert ids would send it to any address)
+    ids = torch.arange(8, dtype=torch.int32, device="cuda").repeat(w, 1)
+    tw = torch.full((w, 8), 0.125, device="cuda")
     out = torch.empty(w, Q1["H"], dtype=torch.bfloat16, device="cuda")
 
     def run():
