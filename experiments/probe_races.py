@@ -114,12 +114,17 @@ def main(argv=None):
         return
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--budget-s", str(args.budget_s)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(args.procs)]
-    results = []
+    results, failed = [], 0
     for p in procs:
         o, _ = p.communicate()
-        if p.returncode:
-            raise SystemExit(f"a probe process failed (exit {p.returncode})")
+        if p.returncode:   # (its traceback went to stderr; the others' counts still add up)
+            failed += 1
+            continue
         results.append(json.loads(o.strip().splitlines()[-1]))
+    if failed:
+        print(f"{failed} of {args.procs} probe processes failed (tracebacks above); counted: the others")
+    if not results:
+        raise SystemExit("every probe process failed")
     total = {}
     for res in results:
         for n, c in res["counts"].items():
@@ -133,7 +138,8 @@ def main(argv=None):
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"probe_races_p{args.procs}.json")
         with open(path, "w") as f:
-            json.dump(dict(procs=args.procs, budget_s=args.budget_s, total=total, per_process=results), f)
+            json.dump(dict(procs=args.procs, failed=failed, budget_s=args.budget_s, total=total,
+                           per_process=results), f)
         print(f"wrote {path}")
 
 
