@@ -26,6 +26,16 @@ def max_row_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((o - r).norm(dim=-1) / r.norm(dim=-1)).max().item()
 
 
+def captured(run):
+    """``run()`` once eagerly (Triton compiles outside the capture), then captured in a CUDA graph."""
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    return g
+
+
 # A race's negative control (a launch without its griddepcontrol.wait, reading what the kernel before
 # it has not written yet) can only show that the check catches the race when the race happens. On a
 # GPU shared by several test processes (pytest-xdist workers on one device time-slice it) one attempt

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 
-from ._checks import first_catch
+from ._checks import captured, first_catch
 from .conftest import HAS_CUDA, cpu_only, load_kernels
 
 # (K, N): the q1 rank's fused Q/K/V and output projections; q1-mini-like shapes for the interpreter
@@ -115,26 +115,21 @@ def test_graph_replays_leave_the_counters_at_zero():
         assert int(cnt.abs().sum()) == 0
 
 
-def _norm_then_linear_error(L, Nm, no_wait):
-    """Worst error over four replays (new x each) of a Triton norm writing x, then the linear layer as
-    its programmatic dependent (prefetching its weight before its wait), in one CUDA graph; no_wait:
-    the linear layer skips the wait (``_no_wait``). An unwritten (NaN) output counts as inf."""
+def _linear_behind(L, writer, no_wait):
+    """Worst error over four replays (new x0 each) of ``writer(x0, h)`` (a kernel that writes the linear
+    layer's input h and releases its programmatic dependents), then the linear layer on h (prefetching
+    its weight before its wait), in one CUDA graph; no_wait: the linear layer skips the wait
+    (``_no_wait``). An unwritten (NaN) output counts as inf."""
     K, N = 6144, 1024
     x0, w = _inputs(6, K, N, 5)
-    res = torch.zeros_like(x0)
-    wt = torch.ones(K, dtype=torch.bfloat16, device="cuda")
-    h = torch.empty_like(x0)
+    h = x0.clone()
     out = torch.empty(6, N, dtype=torch.bfloat16, device="cuda")
     cnt = torch.zeros(N // 16, dtype=torch.int32, device="cuda")
 
     def run():
-        res.zero_()
-        Nm.fused_add_rmsnorm(x0, res, wt, 1e-6, out=h, pdl=True)
+        writer(x0, h)
         L.skinny_linear(h, w, out, counter=cnt, prefetch=True, _no_wait=no_wait)
-    run()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g = captured(run)
     worst = 0.0
     for seed in range(4):
         x0.copy_(_inputs(6, K, N, 200 + seed)[0])
@@ -144,6 +139,17 @@ def _norm_then_linear_error(L, Nm, no_wait):
         e = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         worst = max(worst, e if e == e else float("inf"))
     return worst
+
+
+def _norm_then_linear_error(L, Nm, no_wait):
+    """``_linear_behind`` a Triton add + RMSNorm (6 rows) that writes h from x0."""
+    res = torch.zeros(6, 6144, dtype=torch.bfloat16, device="cuda")
+    wt = torch.ones(6144, dtype=torch.bfloat16, device="cuda")
+
+    def norm(x0, h):
+        res.zero_()
+        Nm.fused_add_rmsnorm(x0, res, wt, 1e-6, out=h, pdl=True)
+    return _linear_behind(L, norm, no_wait)
 
 
 @triton.jit
@@ -161,32 +167,9 @@ def _late_copy(SRC, DST, N, SPIN_NS, BLOCK: tl.constexpr):
 
 
 def _late_x_linear_error(L, no_wait):
-    """Worst error over four replays (new x each) of ``_late_copy`` writing x 20 us after releasing the
-    linear layer (prefetching its weight before its wait), in one CUDA graph; no_wait: the linear
-    layer skips the wait (``_no_wait``) and reads the previous replay's x."""
-    K, N = 6144, 1024
-    x0, w = _inputs(6, K, N, 5)
-    h = x0.clone()
-    out = torch.empty(6, N, dtype=torch.bfloat16, device="cuda")
-    cnt = torch.zeros(N // 16, dtype=torch.int32, device="cuda")
-
-    def run():
-        _late_copy[(1,)](x0, h, x0.numel(), 20000, BLOCK=4096)
-        L.skinny_linear(h, w, out, counter=cnt, prefetch=True, _no_wait=no_wait)
-    run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    worst = 0.0
-    for seed in range(4):
-        x0.copy_(_inputs(6, K, N, 200 + seed)[0])
-        out.fill_(float("nan"))
-        g.replay()
-        ref = L.linear_reference(x0, w)
-        e = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-        worst = max(worst, e if e == e else float("inf"))
-    return worst
+    """``_linear_behind`` ``_late_copy``, which writes h = x0 20 us after releasing the linear layer:
+    without the wait the layer reads the previous replay's h."""
+    return _linear_behind(L, lambda x0, h: _late_copy[(1,)](x0, h, x0.numel(), 20000, BLOCK=4096), no_wait)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from ._checks import first_catch, max_row_rel_err, rel_err
+from ._checks import captured, first_catch, max_row_rel_err, rel_err
 from .conftest import HAS_CUDA, cpu_only, load_kernels
 
 TOL_EMU = 1.5e-2
@@ -247,11 +247,7 @@ def _router_chain_error(M, R, r, cnt, no_wait):
     def run():
         R.route_topk(x, r, 8, counter=cnt, ids=ids, weights=tw)
         M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _gu_no_wait=no_wait)
-    run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g = captured(run)
     worst = 0.0
     for _ in range(6):
         x.copy_(torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16))
