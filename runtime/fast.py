@@ -219,9 +219,10 @@ class FastModel(Model):
         # The pass's glue in the kernels: RoPE's tables in one launch per pass (rope_tables), a ring's
         # slots computed inside rope_kv_write, norms without a zero residual tensor, the embedding
         # gather inside the norm after it, and the round's state updates (Round's take_draft and settle
-        # hooks, one launch each): about 250 torch launches fewer per q1 step, 2 % of its time
-        # (session 15). False restores the torch glue (bench_step.py --ab torch_glue; the same values
-        # except the draft entropy's last bit).
+        # hooks, one launch each): about 250 torch launches fewer per q1 step, 5.0 % of its time at 8K
+        # (session 37, bench_step.py --ab torch_glue: 1.0505; sessions 15-35 read ~2 % because that
+        # variant left the two hooks fused). False restores the torch glue (the same values except the
+        # draft entropy's last bit).
         self.fused_glue = True
         # RoPE's cos / sin tables computed inside rope_kv_write (FP64 libdevice cos / sin per program)
         # instead of once per pass in torch: the same values, but off by default (session 15, call 2:
