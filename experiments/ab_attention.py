@@ -199,6 +199,8 @@ CONFIGS = {
     # combine program reads 34 sectors of them instead of 264 (132 splits) / by split (the layout before)
     "ml_by_row": dict(ml_by_row=True),
     "ml_by_split": dict(ml_by_row=False),
+    # session 37: the partials' acc as acc / l in BF16 (half the bytes the splits write and the combine reads)
+    "bf16_partials": dict(partials="bfloat16"),
     # with m / l cheap to read, the combine's columns per program (default COMBINE_BLOCK_D = 32) and
     # warps (COMBINE_NUM_WARPS = 2) again
     "cd16": dict(combine_block_d=16),

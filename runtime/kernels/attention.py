@@ -133,6 +133,15 @@ KV_BEFORE_WAIT = True
 # 1.028, 192K 1.009 / 1.006 (ab_attention.py, 100 paired rounds; A/A 0.995-1.004), 0.25-0.5 us per
 # call; the q1 step 1.0012 (8K) / 1.0030 (64K) (bench_step.py --ab attn_ml_by_split; A/A 0.9992 / 1.0012).
 ML_BY_ROW = True
+# v2: the partials' acc stored as acc / l in BF16 (keyword partials="bfloat16"; m and l stay FP32) instead of
+# un-normalised in FP32: half the bytes the splits write and the combine reads (64K, 132 splits: 1.6 MB
+# instead of 3.2 MB). Every sum stays FP32: the split's chain before the store, the combine's over the
+# splits (weights 2^(m_s - M) l_s); what changes is one BF16 rounding of each split's output, the
+# rounding the call's output has anyway. Not measured on the GPU yet (session 37 wrote it without device
+# time): "float32" stays the default until an A/B says otherwise (bench_step.py --ab attn_bf16_partials,
+# ab_attention.py --configs default,bf16_partials).
+PARTIALS = "float32"
+PARTIALS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
 # w = 8, G = 6, d = 128) and up to FUSED_TILE / BLOCK_D splits per load (32: 256 splits, one round
 # trip at 132 splits; 8192 FP32 = 64 registers per thread at 4 warps). Every program of the fused
@@ -259,9 +268,12 @@ def _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_
     [nkv, splits, 2, BLOCK_M] (stride_mh, stride_ms), or with ``ML_BY_ROW`` to ML [nkv, 2, BLOCK_M,
     NUM_SPLITS] (stride_mh): one row's m (and l) of every split side by side, as the combine reads them.
     ``SKIP`` (measurement only, the result is wrong): nothing stored, through a row mask that is false
-    at run time (l >= 0) but not provably so, so that the compiler keeps the work the stores consume."""
+    at run time (l >= 0) but not provably so, so that the compiler keeps the work the stores consume.
+    A 16-bit ACC (keyword partials) receives acc / l (0 where the split saw no key: l = 0, acc = 0)."""
     if SKIP:
         row_ok = row_ok & (l_i < 0.0)
+    if ACC.dtype.element_ty != tl.float32:
+        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     acc_ptr = ACC + kvh * stride_ah + split * stride_as
@@ -492,13 +504,15 @@ def _attn_combine_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SUB_S: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, TIMELINE: tl.constexpr = False,
     TL_BASE: tl.constexpr = 0, TRIGGER: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
-    ML_BY_ROW: tl.constexpr = False,
+    ML_BY_ROW: tl.constexpr = False, PARTIALS_BUG: tl.constexpr = False,
 ):
     """Program (row, d-slice) merges the splits' partials of one packed row. ``ONE_LOAD`` (needs
     SUB_S == BLOCK_S): every partial's m, l and acc slice is requested at once after the wait, so
     the merge costs one L2 round trip; otherwise m and l first (den), then acc in SUB_S-split chunks
     (m reloaded per chunk). ``ML_BY_ROW``: m and l in ``_store_partial``'s by-row layout (a row's
-    values of every split contiguous: 2 x ceil(splits / 8) sectors instead of 2 x splits)."""
+    values of every split contiguous: 2 x ceil(splits / 8) sectors instead of 2 x splits). A 16-bit
+    ACC holds acc / l (``_store_partial``): each split's weight is then 2^(m_s - M) l_s, in FP32;
+    ``PARTIALS_BUG`` (negative control of the tests) leaves l_s out, as if it held acc."""
     row = tl.program_id(0)
     dblk = tl.program_id(1)
     prog = TL_BASE + dblk * tl.num_programs(0) + row
@@ -543,8 +557,12 @@ def _attn_combine_kernel(
     if HAS_SINK:
         den += tl.exp2(sink - m_all)
     _stamp_after(TL, prog, 4, den, TIMELINE)
+    normalized: tl.constexpr = ACC.dtype.element_ty != tl.float32
     if ONE_LOAD:
-        num = tl.sum(wgt_s[:, None] * part, 0)
+        if normalized and not PARTIALS_BUG:
+            num = tl.sum((wgt_s * l_s)[:, None] * part.to(tl.float32), 0)
+        else:
+            num = tl.sum(wgt_s[:, None] * part.to(tl.float32), 0)
         _stamp_after(TL, prog, 5, tl.sum(num), TIMELINE)
     else:
         num = tl.zeros([BLOCK_D], tl.float32)
@@ -552,9 +570,11 @@ def _attn_combine_kernel(
             sub = s0 + tl.arange(0, SUB_S)
             ok = sub < n_active
             wgt = tl.exp2(tl.load(ml_ptr + sub * step_s, mask=ok, other=_NEG_BIG) - m_all)
+            if normalized and not PARTIALS_BUG:
+                wgt *= tl.load(ml_ptr + sub * step_s + l_off, mask=ok, other=0.0)
             part = tl.load(acc_ptr + sub[:, None] * stride_as + offs_d[None, :], mask=ok[:, None],
                            other=0.0)
-            num += tl.sum(wgt[:, None] * part, 0)
+            num += tl.sum(wgt[:, None] * part.to(tl.float32), 0)
     tl.store(OUT + i * stride_ow + h * stride_oh + offs_d, (num / den).to(OUT.dtype.element_ty))
     _stamp(TL, prog, 3, TIMELINE)
 
@@ -684,7 +704,7 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
             combine_one_load=None, tail_prefetch=None, tma=None, combine_num_warps=None,
             _mid_bug=False, _pdl_no_wait=False, _timeline=None, _combine_trigger=False, _split_pdl=None,
             kv_first=None, kv_before_wait=None, _early_bug=False, ml_by_row=None, _ml_bug=False,
-            _no_store=False, _no_combine=False):
+            _no_store=False, _no_combine=False, partials=None, _partials_bug=False):
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q [w, nh, d], k/v [nkv, slots, d]")
     w, nh, d = q.shape
     nkv, slots, dk = k.shape
@@ -721,7 +741,11 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     check(variant in VARIANTS, f"variant {variant!r}: one of {VARIANTS}")
     ml_by_row = (ML_BY_ROW and variant == "v2") if ml_by_row is None else bool(ml_by_row)
     check(not ml_by_row or variant == "v2", "ml_by_row: v2 only")
-    acc = torch.empty((nkv, num_splits, block_m, d), device=q.device, dtype=torch.float32)
+    partials = PARTIALS if partials is None else partials
+    check(partials in PARTIALS_DTYPES, f"partials {partials!r}: one of {tuple(PARTIALS_DTYPES)}")
+    check(partials == "float32" or variant == "v2", "partials: 16-bit with v2 only")
+    check(not _partials_bug or partials != "float32", "_partials_bug: with 16-bit partials")
+    acc = torch.empty((nkv, num_splits, block_m, d), device=q.device, dtype=PARTIALS_DTYPES[partials])
     ml = torch.empty((nkv, 2, block_m, num_splits) if ml_by_row else (nkv, num_splits, 2, block_m),
                      device=q.device, dtype=torch.float32)
     qk_scale_log2 = _LOG2E / math.sqrt(d)
@@ -805,16 +829,18 @@ def _launch(q, k, v, start_pos, sinks, out, *, ring: bool, window: int, num_spli
     _combine(acc, ml, sinks, out, start_pos, tl_buf, w=w, ring=ring, window=window, block_n=block_n,
              block_d=block_d, combine_block_s=combine_block_s, pdl=pdl, wait=not _pdl_no_wait,
              tl_base=num_splits * nkv if timeline else None, trigger=bool(_combine_trigger),
-             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug)
+             one_load=combine_one_load, num_warps=combine_num_warps, ml_by_row=ml_by_row, _ml_bug=_ml_bug,
+             _partials_bug=_partials_bug)
     return out
 
 
 def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, block_n, block_d=None,
              combine_block_s=None, pdl, wait=True, tl_base=None, trigger=False, one_load=None, num_warps=None,
-             ml_by_row=False, _ml_bug=False):
+             ml_by_row=False, _ml_bug=False, _partials_bug=False):
     """The combine launch over partials ``acc`` [nkv, splits, block_m, d] / ``ml`` [nkv, splits, 2,
     block_m] (the split kernels' layout; ``ml_by_row``: [nkv, 2, block_m, splits]) into ``out`` [w, nh,
-    d]; ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``:
+    d], a 16-bit ``acc`` holding acc / l (``_partials_bug``, the tests' negative control: merged as if
+    un-normalised); ``_ml_bug`` (the tests' negative control): a by-row ``ml`` read in the other layout; ``pdl``:
     as a programmatic dependent (``wait``: its griddepcontrol.wait, off only in the tests' negative control);
     ``tl_base``: the first timeline record of its programs in ``tl_buf`` (None: no timeline). The
     options left None take the module's COMBINE_* defaults."""
@@ -839,6 +865,7 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
         SUB_S=sub_s, BLOCK_D=block_d, PDL=pdl and wait, TIMELINE=tl_base is not None,
         ONE_LOAD=sub_s == block_s and (COMBINE_ONE_LOAD if one_load is None else bool(one_load)),
         TL_BASE=tl_base or 0, TRIGGER=pdl and trigger, ML_BY_ROW=bool(ml_by_row),
+        PARTIALS_BUG=bool(_partials_bug),
         num_warps=COMBINE_NUM_WARPS if num_warps is None else int(num_warps),
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -847,7 +874,8 @@ def _combine(acc, ml, sinks, out, start_pos, tl_buf=None, *, w, ring, window, bl
 def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
+                          partials=None):
     """Decode attention over a full (non-sliding) KV cache.
 
     q [w, nh, d] BF16 (RoPE applied); k_cache, v_cache [nkv, capacity, d] with the w new rows already
@@ -873,20 +901,22 @@ def decode_attention_full(q, k_cache, v_cache, start_pos, sinks, out=None, *, nu
     by a kernel that may still run when the call's predecessor begins. ``block_n`` / ``num_stages``:
     keys per block and pipeline stages of the split (None: BLOCK_N, NUM_STAGES). ``ml_by_row`` (v2):
     the partials' m and l stored in the combine's order (None: ML_BY_ROW; False: by split, the layout
-    before session 29); the same values.
+    before session 29); the same values. ``partials`` (v2): "float32" (un-normalised acc) or "bfloat16"
+    (acc / l; see PARTIALS); None: PARTIALS.
     """
     return _launch(q, k_cache, v_cache, start_pos, sinks, out, ring=False, window=0,
                    num_splits=num_splits, variant=variant, workspace=workspace, pdl=pdl, prefetch=prefetch,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row)
+                   ml_by_row=ml_by_row, partials=partials)
 
 
 def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None, *, num_splits=None,
                           variant=None, workspace=None, pdl=None, prefetch=None, tail_prefetch=None,
                           tma=None, combine_num_warps=None, combine_one_load=None, release_next=None,
-                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None):
+                          kv_first=None, kv_before_wait=None, block_n=None, num_stages=None, ml_by_row=None,
+                          partials=None):
     """Decode attention over a sliding-window ring: position p lives in slot p % R (R = k_ring.shape[1],
     normally window + 64). Row i (position p_i = start_pos + i) sees exactly positions
     max(0, p_i - window + 1) .. p_i. Requires R >= window + w - 1 (checked on the host). Keywords as
@@ -897,7 +927,7 @@ def decode_attention_ring(q, k_ring, v_ring, start_pos, sinks, window, out=None,
                    tail_prefetch=tail_prefetch, tma=tma, combine_num_warps=combine_num_warps,
                    combine_one_load=combine_one_load, _combine_trigger=bool(release_next),
                    kv_first=kv_first, kv_before_wait=kv_before_wait, block_n=block_n, num_stages=num_stages,
-                   ml_by_row=ml_by_row)
+                   ml_by_row=ml_by_row, partials=partials)
 
 
 def attention_reference(q, k, v, start_pos: int, sinks, *, window=None, ring=False,

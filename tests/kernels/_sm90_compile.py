@@ -135,7 +135,8 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                                         pdl=True)
             for opts in (dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
                          dict(combine_num_warps=4), dict(combine_num_warps=8), dict(kv_first=0),
-                         dict(kv_first=2), dict(ml_by_row=False)):   # v2 / combine options
+                         dict(kv_first=2), dict(ml_by_row=False), dict(partials="bfloat16"),
+                         dict(partials="bfloat16", combine_one_load=False)):   # v2 / combine options
                 A.decode_attention_full(q, k, k, sp, torch.zeros(6), num_splits=132, variant="v2",
                                         pdl=True, **opts)
             A._launch(q, k, k, sp, torch.zeros(6), None, ring=False, window=0, num_splits=132, variant="v2",

@@ -133,7 +133,8 @@ def test_full_and_ring_q1_pdl(w, ctx, variant):
 
 V2_OPTIONS = [dict(tma=True), dict(tail_prefetch=False), dict(combine_one_load=False),
               dict(combine_num_warps=4), dict(tma=True, num_stages=5, combine_num_warps=8),
-              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False)]
+              dict(kv_first=1), dict(kv_first=3), dict(kv_first=0), dict(ml_by_row=False),
+              dict(partials="bfloat16")]
 
 
 @pytest.mark.gpu
@@ -434,9 +435,9 @@ def test_interp_v2_mid_bug_is_caught(w, start):
 @pytest.mark.parametrize("opts", [dict(tma=True), dict(combine_one_load=False), dict(combine_num_warps=8),
                                   dict(kv_first=1), dict(kv_first=4), dict(kv_first=0),
                                   dict(kv_first=4, kv_before_wait=True), dict(kv_first=4, kv_before_wait=False),
-                                  dict(ml_by_row=False)],
+                                  dict(ml_by_row=False), dict(partials="bfloat16")],
                          ids=["tma", "two_loads", "combine_8warps", "kv_first1", "kv_first4", "kv_first0",
-                              "kv_before_wait", "kv_after_wait", "ml_by_split"])
+                              "kv_before_wait", "kv_after_wait", "ml_by_split", "bf16_partials"])
 def test_interp_v2_options(opts):
     """TMA tiles (the interpreter runs descriptor loads), the two-round-trip combine, the short
     splits' K/V-before-Q path (kv_first 4: every split of these shapes takes it; 1: none of the full
@@ -473,6 +474,43 @@ def _ml_by_row_same_bits(A, shape, dev, seed, cases=((False, 900), (False, 40), 
                else A.attention_reference(q, k, v, start, sinks))
         assert max_row_rel_err(outs[1], ref) < TOL
         assert not torch.allclose(outs[0].float(), outs[2].float(), rtol=0.1, atol=0.1, equal_nan=False)
+
+
+def _bf16_partials_case(A, shape, dev, seed, starts=(900, 40), ring_start=1300, num_splits=5):
+    """The v2 call with BF16 partials (acc / l) against FP32 ones, full and ring, both combine forms:
+    right against the reference and at most 2^-7 further from it (relative: one BF16 rounding of each
+    split's output, truncated in the interpreter, which need not cancel against the output's own; the
+    interpreter measured up to 0.0055 more at start 40); negative control: the combine merging them as if un-normalised
+    (``_partials_bug``) is far off."""
+    for ring, start in [(False, s) for s in starts] + [(True, ring_start)]:
+        if ring:
+            q, hk, hv, k, v, sinks = make_ring(6, shape["nh"], shape["nkv"], shape["d"], start, shape["window"],
+                                                shape["window"] + 64, seed)
+            ref = A.attention_reference(q, hk, hv, start, sinks, window=shape["window"])
+        else:
+            q, k, v, sinks = make_full(6, shape["nh"], shape["nkv"], shape["d"], start, seed)
+            ref = A.attention_reference(q, k, v, start, sinks)
+        for one_load in (True, False):
+            errs = {}
+            for name, kw in (("fp32", {}), ("bf16", dict(partials="bfloat16")),
+                             ("bug", dict(partials="bfloat16", _partials_bug=True))):
+                out = torch.full_like(q, float("nan"))
+                A._launch(q, k, v, _start(start, dev), sinks, out, ring=ring, window=shape["window"] if ring else 0,
+                          num_splits=num_splits, variant="v2", combine_one_load=one_load, **kw)
+                errs[name] = max_row_rel_err(out, ref)
+            assert errs["bf16"] < TOL and errs["bf16"] < errs["fp32"] + 2.0 ** -7, (ring, start, errs)
+            assert errs["bug"] > TOL, (ring, start, errs)
+
+
+@pytest.mark.gpu
+def test_bf16_partials_q1():
+    _bf16_partials_case(load_kernels("attention"), Q1, "cuda", seed=14, starts=(65536 + 3, 40, 196608 - 6),
+                        ring_start=70000, num_splits=None)
+
+
+@cpu_only
+def test_interp_bf16_partials():
+    _bf16_partials_case(load_kernels("attention"), MINI, "cpu", seed=15)
 
 
 @pytest.mark.gpu
