@@ -60,16 +60,9 @@ def checks():
         "linear_after_late_writer": arm(lambda b: TL._late_x_linear_error(L, b), TL.TOL),
     }
 
-    def timeline(table):
-        def run(bug):
-            if bug:
-                return TM._down_waited_early(M, table), None
-            rec, (n_gu, n_dn, _), _, _ = TM._timeline_case(M, group_table=table)
-            dn = rec[n_gu:n_gu + n_dn]
-            return bool(dn[dn[:, 4] == 1][:, 2].min() < rec[:n_gu, 3].max()), None
-        return run
-    out["moe_timeline"] = timeline(False)
-    out["moe_timeline_table"] = timeline(True)
+    # (the right arm fails where its Down waited early, the broken one is caught where it did)
+    for name, table in (("moe_timeline", False), ("moe_timeline_table", True)):
+        out[name] = lambda bug, table=table: (TM._down_waited_early(M, table, no_wait=bug), None)
     return out
 
 

@@ -557,12 +557,11 @@ def _attn_combine_kernel(
     if HAS_SINK:
         den += tl.exp2(sink - m_all)
     _stamp_after(TL, prog, 4, den, TIMELINE)
-    normalized: tl.constexpr = ACC.dtype.element_ty != tl.float32
+    normalized: tl.constexpr = ACC.dtype.element_ty != tl.float32 and not PARTIALS_BUG
     if ONE_LOAD:
-        if normalized and not PARTIALS_BUG:
-            num = tl.sum((wgt_s * l_s)[:, None] * part.to(tl.float32), 0)
-        else:
-            num = tl.sum(wgt_s[:, None] * part.to(tl.float32), 0)
+        if normalized:   # 16-bit partials hold acc / l
+            wgt_s = wgt_s * l_s
+        num = tl.sum(wgt_s[:, None] * part.to(tl.float32), 0)
         _stamp_after(TL, prog, 5, tl.sum(num), TIMELINE)
     else:
         num = tl.zeros([BLOCK_D], tl.float32)
@@ -570,7 +569,7 @@ def _attn_combine_kernel(
             sub = s0 + tl.arange(0, SUB_S)
             ok = sub < n_active
             wgt = tl.exp2(tl.load(ml_ptr + sub * step_s, mask=ok, other=_NEG_BIG) - m_all)
-            if normalized and not PARTIALS_BUG:
+            if normalized:
                 wgt *= tl.load(ml_ptr + sub * step_s + l_off, mask=ok, other=0.0)
             part = tl.load(acc_ptr + sub[:, None] * stride_as + offs_d[None, :], mask=ok[:, None],
                            other=0.0)

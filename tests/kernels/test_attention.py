@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 
-from ._checks import first_catch, max_row_rel_err
+from ._checks import captured, first_catch, max_row_rel_err
 from .conftest import HAS_CUDA, cpu_only, load_kernels
 
 TOL = 2e-2  # BF16 P and BF16 output: ~3e-3 typical (5e-3 in the interpreter, which truncates)
@@ -170,11 +170,7 @@ def _pdl_case_error(A, no_wait):
     sp = torch.zeros((), dtype=torch.int32, device="cuda")
     kw = dict(ring=False, window=0, variant="v2", pdl=True, num_splits=64, _pdl_no_wait=no_wait)
     out = torch.empty_like(q)
-    A._launch(q, k, v, sp, sinks, out, **kw)   # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        A._launch(q, k, v, sp, sinks, out, **kw)
+    g = captured(lambda: A._launch(q, k, v, sp, sinks, out, **kw))
     worst = 0.0
     for start in (196608 - w, 1000, 150000, 5, 196608 - w, 90000):
         sp.fill_(start)

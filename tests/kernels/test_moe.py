@@ -523,10 +523,10 @@ def test_timeline_records_the_launch_order(table):
     assert first_catch(lambda: _down_waited_early(M, table))
 
 
-def _down_waited_early(M, table):
-    """The timeline of a call whose Down skips its wait: some Down program stamps 'waited' before the
-    last Gate/Up program ends."""
-    rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=True, group_table=table)
+def _down_waited_early(M, table, no_wait=True):
+    """The timeline of a call whose Down skips its wait (no_wait; False: the right call): some Down
+    program stamps 'waited' before the last Gate/Up program ends."""
+    rec, (n_gu, n_dn, _), _, _ = _timeline_case(M, no_wait=no_wait, group_table=table)
     dn = rec[n_gu:n_gu + n_dn]
     return bool(dn[dn[:, 4] == 1][:, 2].min() < rec[:n_gu, 3].max())
 
