@@ -201,6 +201,10 @@ CONFIGS = {
     "ml_by_split": dict(ml_by_row=False),
     # session 37: the partials' acc as acc / l in BF16 (half the bytes the splits write and the combine reads)
     "bf16_partials": dict(partials="bfloat16"),
+    # session 38: where BF16 partials lose (1.04-1.07x the default's time): the split alone, its merge empty
+    "bf16_partials_empty_merge": dict(partials="bfloat16", _no_combine=True, _empty_dep=True),
+    "bf16_partials_cd64": dict(partials="bfloat16", combine_block_d=64),
+    "bf16_partials_cd64_cnw4": dict(partials="bfloat16", combine_block_d=64, combine_num_warps=4),
     # with m / l cheap to read, the combine's columns per program (default COMBINE_BLOCK_D = 32) and
     # warps (COMBINE_NUM_WARPS = 2) again
     "cd16": dict(combine_block_d=16),

@@ -137,9 +137,11 @@ ML_BY_ROW = True
 # un-normalised in FP32: half the bytes the splits write and the combine reads (64K, 132 splits: 1.6 MB
 # instead of 3.2 MB). Every sum stays FP32: the split's chain before the store, the combine's over the
 # splits (weights 2^(m_s - M) l_s); what changes is one BF16 rounding of each split's output, the
-# rounding the call's output has anyway. Not measured on the GPU yet (session 37 wrote it without device
-# time): "float32" stays the default until an A/B says otherwise (bench_step.py --ab attn_bf16_partials,
-# ab_attention.py --configs default,bf16_partials).
+# rounding the call's output has anyway. Rejected (session 38, H200, ab_attention.py, w = 6, 100-150 paired
+# rounds; A/A 0.992-1.006): 1.045-1.066 of the FP32 partials' time at 16K, 1.040-1.050 at 64K, 1.012-1.028 at
+# 192K. The split with BF16 partials and an empty merge takes what the FP32 one takes (16K 0.878 / 0.869,
+# 64K 0.918 / 0.927 of the default), so the loss is the combine's (0.5-0.8 us), and 64 columns per combine
+# program do not recover it (1.07-1.10). Kept as an option (keyword; tests) for whoever takes the combine up.
 PARTIALS = "float32"
 PARTIALS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Fused combine: BLOCK_D head-dim columns per combine program (w * G * d / 32 = 192 programs at
@@ -272,8 +274,8 @@ def _store_partial(ACC, ML, kvh, split, stride_ah, stride_as, stride_am, stride_
     A 16-bit ACC (keyword partials) receives acc / l (0 where the split saw no key: l = 0, acc = 0)."""
     if SKIP:
         row_ok = row_ok & (l_i < 0.0)
-    if ACC.dtype.element_ty != tl.float32:
-        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if ACC.dtype.element_ty != tl.float32:   # one reciprocal per row, not a full division per element
+        acc = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]   # (a division per element: 368 more instructions)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     acc_ptr = ACC + kvh * stride_ah + split * stride_as
