@@ -53,6 +53,9 @@ CONFIGS = {
     "cnw2_cd16": dict(combine_num_warps=2, combine_block_d=16),
     "cnw8": dict(combine_num_warps=8),
     "cnw2": dict(combine_num_warps=2),
+    # session 38: the partials as acc / l in BF16 (half the bytes), 0.5-0.8 us slower in ab_attention
+    # with the split alone as fast: where in the combine the time goes
+    "bf16_partials": dict(partials="bfloat16"),
     # the combine releases its dependent (the next call's split) at its start: the split's launch
     # and prologue overlap the previous kernel, as after a predecessor that triggers early
     "trigger": dict(_combine_trigger=True),
