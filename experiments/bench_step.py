@@ -597,7 +597,7 @@ AB_VARIANTS = {
     # since session 29) / by split (the layout before)
     "attn_ml_by_row": lambda rnd: _attn_opts(rnd, ml_by_row=True),
     "attn_ml_by_split": lambda rnd: _attn_opts(rnd, ml_by_row=False),
-    # the partials' acc as acc / l in BF16 (attention.PARTIALS; session 37, not yet measured)
+    # the partials' acc as acc / l in BF16 (attention.PARTIALS; session 38: 1.02-1.08x the call's time alone)
     "attn_bf16_partials": lambda rnd: _attn_opts(rnd, partials="bfloat16"),
     # the attention over 66 / 264 splits (half / two per SM; default attention.SPLITS_PER_SM per SM)
     **{f"attn_ns{n}": (lambda rnd, n=n: _attn_opts(rnd, num_splits=n)) for n in (66, 264)},

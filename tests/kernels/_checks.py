@@ -51,4 +51,3 @@ def first_catch(attempt, attempts: int = RACE_ATTEMPTS):
         if attempt():
             return i + 1
     return None
-

@@ -157,11 +157,7 @@ def _captured_moe(M, w=6, **kw):
     x = torch.randn(w, Q1["H"], device="cuda").to(torch.bfloat16)
     ids, tw = make_routing(w, Q1["E"], "random", 1)
     out = torch.empty((w, Q1["H"]), dtype=torch.bfloat16, device="cuda")
-    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, **kw)
+    g = captured(lambda: M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, **kw))
     return g, x, ids, tw, out
 
 
@@ -489,10 +485,8 @@ def _timeline_case(M, no_wait=False, **opts):
     kw = dict(pdl=True, _pdl_no_wait=no_wait, **opts)
     plain = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, **kw)
     out = torch.empty_like(plain)
-    M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _timeline=rec, **kw)   # (compiled before the capture)
-    graph = torch.cuda.CUDAGraph()   # launched back to back, as in the step (eager launches trail the GPU)
-    with torch.cuda.graph(graph):
-        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _timeline=rec, **kw)
+    # launched back to back in a graph, as in the step (eager launches trail the GPU)
+    graph = captured(lambda: M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, _timeline=rec, **kw))
     rec.zero_()
     graph.replay()
     torch.cuda.synchronize()
