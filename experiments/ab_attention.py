@@ -31,6 +31,7 @@ import triton.language as tl  # noqa: E402
 
 import _tma_read  # noqa: E402
 import _ws_attention  # noqa: E402
+import flashinfer_attention as FI  # noqa: E402
 from bench_kernels import attention_sets, copy_same_calls, n_sets, read_floor_calls  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 
@@ -82,7 +83,8 @@ def probe_calls(name, data, n_keys, d):
     (``_sol_read_kernel``), ``solf{rows}_w{warps}[_host|_cg]`` (bench_kernels' read floor), and the TMA
     readers ``tmas{m}_{rows}_s{stages}`` / ``tmaf{rows}`` and ``tmasm{m}_{rows}_s{stages}`` (the
     stream, then its partials merged by the attention's own combine: a split + merge call with no
-    arithmetic) (``_tma_read``, sm_90+ only)."""
+    arithmetic) (``_tma_read``, sm_90+ only); and FlashInfer's attention ``fi_{backend}_p{page}[_sink]``
+    (``flashinfer_attention.py``, when FlashInfer is installed)."""
     if name in ("spacer", "spaced"):   # session 35: the attention calls apart, as the step runs them
         # spacer: a read-only torch sum over a scratch buffer larger than L2 (what a step's kernels between
         # two attention calls do to DRAM and L2, roughly: read other bytes); spaced: each default call
@@ -92,6 +94,11 @@ def probe_calls(name, data, n_keys, d):
         if name == "spacer":
             return spacer
         return [(lambda a=a, b=b: (a(), b())) for a, b in zip(_launches("default", data), spacer)]
+    if FI.PATTERN.fullmatch(name):
+        fi_calls = FI.calls(name, data, n_keys)
+        if fi_calls is None:
+            raise SystemExit(f"{name}: FlashInfer is not importable here (flashinfer_attention.py says how to carry it)")
+        return fi_calls
     if _ws_attention.PATTERN.fullmatch(name):
         ws_calls = _ws_attention.calls(name, data)
         if ws_calls is None:
@@ -133,6 +140,9 @@ PROBES += tuple(f"solf{c}_w1{o}" for c in (8, 16, 32) for o in ("_host", "_cg"))
 PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its partials and the combine
 # session 34: the warp-specialized split and the runtime's combine (_ws_attention: a TMA producer warp,
 # one or two consumer warpgroups taking alternate key blocks; names as _ws_attention.options reads them)
+# session 39: FlashInfer's batch prefill ("append") attention, what vLLM / SGLang run (flashinfer_attention.py:
+# backend, tokens per page, with or without the sink; needs FlashInfer installed, see that module)
+PROBES += tuple(f"fi_{b}_p{p}{s}" for b in ("fa2", "fa3", "auto") for p in (1, 16, 64) for s in ("", "_sink"))
 PROBES += ("ws1_s2", "ws1_s3", "ws1_s4", "ws1_s6", "ws2_s4", "ws2_s4_r200", "ws1_s3_d", "ws2_s4_d", "ws1_s3_n",
            "ws1_s4_n", "ws1_s6_n")
 # (call 1 also ran ws2_s5: with an odd stage count its two consumers can take a slot one phase early; removed)
