@@ -142,7 +142,7 @@ PROBES += ("tmasm1_64_s4", "tmasm1_128_s3", "tmasm2_64_s3")   # the stream, its 
 # one or two consumer warpgroups taking alternate key blocks; names as _ws_attention.options reads them)
 # session 39: FlashInfer's batch prefill ("append") attention, what vLLM / SGLang run (flashinfer_attention.py:
 # backend, tokens per page, with or without the sink; needs FlashInfer installed, see that module)
-PROBES += tuple(f"fi_{b}_p{p}{s}" for b in ("fa2", "fa3", "auto") for p in (1, 16, 64) for s in ("", "_sink"))
+PROBES += tuple(f"fi_{b}_p{p}{s}" for b in ("fa2", "fa3", "auto", "holistic") for p in (1, 16, 64) for s in ("", "_sink"))
 PROBES += ("ws1_s2", "ws1_s3", "ws1_s4", "ws1_s6", "ws2_s4", "ws2_s4_r200", "ws1_s3_d", "ws2_s4_d", "ws1_s3_n",
            "ws1_s4_n", "ws1_s6_n")
 # (call 1 also ran ws2_s5: with an odd stage count its two consumers can take a slot one phase early; removed)

@@ -21,8 +21,10 @@ Its kernels are compiled on first use by nvcc on the GPU machine (FlashInfer's J
 under ~/.cache/flashinfer for the machine's life). 0.3.1 is the newest release whose wheel fits the
 device tool's 64 MiB working tree (0.7.4's is 101 MB).
 
-Config names (``PATTERN``): ``fi_{backend}_p{page}[_sink]``. ``backend``: FlashInfer's ``fa2`` (its
-portable kernels), ``fa3`` (its Hopper kernels) or ``auto`` (its own choice); ``page``: tokens per KV
+Config names (``PATTERN``): ``fi_{backend}_p{page}[_sink]``. ``backend``: the prefill wrapper with
+FlashInfer's ``fa2`` (its portable kernels), ``fa3`` (its Hopper kernels) or ``auto`` (its own choice), or
+``holistic``, its ``BatchAttention`` (one persistent launch scheduling the key chunks of every request,
+then its merge); ``page``: tokens per KV
 page, the cache viewed as contiguous pages ``[capacity / page, page, nkv, d]`` listed in order (no
 gather cost beyond the page table's reads). Without ``_sink`` the call is FlashInfer's kernels alone,
 without the sink logit (0.3.1's prefill kernels take no sink): the least a FlashInfer user pays, not a
@@ -43,7 +45,7 @@ import sys
 
 import torch
 
-PATTERN = re.compile(r"fi_(fa2|fa3|auto)_p(\d+)(_sink)?")
+PATTERN = re.compile(r"fi_(fa2|fa3|auto|holistic)_p(\d+)(_sink)?")
 WORKSPACE_BYTES = 128 * 2**20   # FlashInfer's recommended float workspace (split-KV partials)
 
 
@@ -69,7 +71,7 @@ def parse(name: str) -> tuple[str, int, bool]:
     """Config name -> (backend, tokens per page, with the sink)."""
     m = PATTERN.fullmatch(name)
     if not m:
-        raise ValueError(f"{name!r} is not a FlashInfer config (fi_{{fa2|fa3|auto}}_p{{page}}[_sink])")
+        raise ValueError(f"{name!r} is not a FlashInfer config (fi_{{fa2|fa3|auto|holistic}}_p{{page}}[_sink])")
     return m.group(1), int(m.group(2)), bool(m.group(3))
 
 
@@ -83,6 +85,11 @@ def planned(backend: str, page: int, w: int, nh: int, nkv: int, d: int, n_keys: 
     host = dict(qo=torch.tensor([0, w], **i32), kv=torch.tensor([0, npages], **i32),
                 idx=torch.arange(npages, **i32), last=torch.tensor([n_keys - (npages - 1) * page], **i32))
     bufs = {k: v.to(device) for k, v in host.items()}
+    if backend == "holistic":   # BatchAttention: no graph buffers to give; its plan lives in its workspaces
+        wr = flashinfer.BatchAttention("NHD", device=str(device))
+        wr.plan(host["qo"], host["kv"], bufs["idx"], torch.tensor([n_keys], **i32), nh, nkv, d, d, page, causal=True,
+                sm_scale=sm_scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        return wr
     wr = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
         torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD", use_cuda_graph=True,
         qo_indptr_buf=bufs["qo"], paged_kv_indptr_buf=bufs["kv"], paged_kv_indices_buf=bufs["idx"],
@@ -106,9 +113,11 @@ def paged(x: torch.Tensor, page: int) -> torch.Tensor:
 def call(wr, q, k, v, sinks, page: int, sink: bool, *, lse_base2: bool = True):
     """One attention call through the planned wrapper: [w, nh, d]."""
     kc, vc = paged(k, page), paged(v, page)
+    import flashinfer
+    holistic = isinstance(wr, flashinfer.BatchAttention)   # always returns (o, lse)
     if not sink:
-        return wr.run(q, (kc, vc))
-    o, lse = wr.run(q, (kc, vc), return_lse=True)
+        return wr.run(q, (kc, vc))[0] if holistic else wr.run(q, (kc, vc))
+    o, lse = wr.run(q, (kc, vc)) if holistic else wr.run(q, (kc, vc), return_lse=True)
     return apply_sink(o, lse, sinks, lse_base2=lse_base2)
 
 
@@ -164,7 +173,7 @@ def check(names, contexts=(16384 + 64, 65536), widths=(4, 6, 8), bound=2e-2):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="Check FlashInfer's attention configs against the runtime's reference (GPU).")
-    ap.add_argument("--configs", default="fi_fa2_p16,fi_fa2_p16_sink,fi_fa3_p16,fi_auto_p16,fi_fa2_p1")
+    ap.add_argument("--configs", default="fi_fa2_p16,fi_fa2_p16_sink,fi_fa3_p16,fi_auto_p16,fi_fa2_p1,fi_holistic_p16")
     args = ap.parse_args()
     ver = available()
     if ver is None or not torch.cuda.is_available():

@@ -72,7 +72,8 @@ def test_page_view_is_the_cache_in_order():
 def test_config_names():
     assert FI.parse("fi_fa3_p16_sink") == ("fa3", 16, True)
     assert FI.parse("fi_auto_p1") == ("auto", 1, False)
-    for bad in ("fi_fa4_p16", "fi_fa2", "fa2_p16", "fi_fa2_p16_sinks"):
+    assert FI.parse("fi_holistic_p64_sink") == ("holistic", 64, True)
+    for bad in ("fi_fa4_p16", "fi_holistic", "fi_fa2", "fa2_p16", "fi_fa2_p16_sinks"):
         with pytest.raises(ValueError):
             FI.parse(bad)
 
