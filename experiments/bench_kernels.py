@@ -26,7 +26,10 @@ For every kernel and shape it prints and records:
   and what a torch user would run instead (``torch_attention.py``, session 36; ``--no-torch`` skips it):
   torch_sdpa_us, SDPA's fastest fused backend (torch_sdpa_backend; each backend's own torch_sdpa_<name>_us;
   SDPA has no sink input, so it runs without the sink), and torch_flex_us, flex_attention compiled, with
-  the sink from its log-sum-exp.
+  the sink from its log-sum-exp; and, where FlashInfer is importable (``flashinfer_attention.py`` says how
+  to carry it to the GPU machine), what vLLM / SGLang would run (session 39): fi_us, FlashInfer's batch
+  prefill attention (FA2 kernels, 64-token pages: the fastest of its forms session 39 measured) without the
+  sink, and fi_sink_us, the same with the sink applied from its log-sum-exp.
 Full results go to $OUT/bench_kernels.json and .csv when OUT is set, with the figures of
 ``kernel_report.py`` (attention.png, attention_model.png, kernels.png); a short table comes last, then every goal of the
 issue with PASS / FAIL (``kernel_report.goal_checks``; ``kernel_report.py`` re-reads a saved run).
@@ -54,6 +57,7 @@ import triton.language as tl  # noqa: E402
 
 import _tma_read  # noqa: E402
 import torch_attention as TA  # noqa: E402
+import flashinfer_attention as FI  # noqa: E402
 import kernel_report  # noqa: E402
 from runtime.kernels import attention as A  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
@@ -275,6 +279,8 @@ def bench_attention(copy_bw, l2, sweep):
             nomerge_us = graph_time(_tma_read.without_merge(data))[0] * 1e6 if struct_calls else float("nan")
             # session 36: torch's own fused attentions on the same sets (what a torch user would run)
             torch_us = torch_attention_times(data, n_keys) if mode == "full" and TORCH_ROWS[0] else {}
+            if mode == "full" and TORCH_ROWS[0] and not DRY_RUN and FI.available():
+                torch_us.update(flashinfer_attention_times(data, n_keys))
             for name, cfg in configs:
                 long_ctx = mode == "full" and ctx >= ATTN["sweep_min_ctx"]
                 if name in long_only:
@@ -342,6 +348,33 @@ def torch_attention_times(data, n_keys) -> dict:
         out["torch_flex_us"] = graph_time(calls)[0] * 1e6
     except Exception as e:   # noqa: BLE001
         print(f"  torch flex_attention at {n_keys} keys left out: {type(e).__name__}: {e}", flush=True)
+    return out
+
+
+# session 39 (ab_attention, H200): FlashInfer 0.3.1's fastest form here; its Hopper (fa3) prefill and its
+# BatchAttention were 2-86x slower at these shapes
+FI_CONFIGS = (("fi_us", "fi_fa2_p64"), ("fi_sink_us", "fi_fa2_p64_sink"))
+
+
+def flashinfer_attention_times(data, n_keys) -> dict:
+    """FlashInfer's attention on the sets of one full-cache shape, timed as the kernel is: ``fi_us`` without
+    the sink, ``fi_sink_us`` with it (``FI_CONFIGS``), each with ``*_err`` against the reference (as
+    ``torch_attention_times``), and ``fi_version``. One that fails is reported and left out."""
+    out = {"fi_version": FI.available()}
+    q, k, v, sinks = data[0][:4]
+    start = n_keys - q.shape[0]
+    for key, name in FI_CONFIGS:
+        ref = A.attention_reference(q, k, v, start, sinks if FI.parse(name)[2] else None, dtype=torch.float32)
+        try:
+            calls = FI.calls(name, data, n_keys)
+            o = calls[0]().float()
+            e = ((o - ref).abs().max() / ref.abs().max()).item()
+            if not e < 2e-2:
+                print(f"  FlashInfer {name} at {n_keys} keys is off the reference: {e:.3g}", flush=True)
+            out[key[:-3] + "_err"] = e
+            out[key] = graph_time(calls)[0] * 1e6
+        except Exception as e:   # noqa: BLE001
+            print(f"  FlashInfer {name} at {n_keys} keys left out: {type(e).__name__}: {e}", flush=True)
     return out
 
 

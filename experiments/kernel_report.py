@@ -59,8 +59,10 @@ FLOORS = (("skeleton_us", "split + merge skeleton, no arithmetic"),
 FLOOR_COLORS = ("C0", "C1", "C2", "C4", "C5", "C6")   # C3 is the kernel's
 # what a torch user would run for the same call (session 36; runs before it lack them): not floors, drawn dotted
 TORCH = (("torch_flex_us", "torch flex_attention, compiled (with the sink)"),
-         ("torch_sdpa_us", "torch SDPA, fastest fused backend (no sink)"))
-TORCH_COLORS = ("C7", "C8")
+         ("torch_sdpa_us", "torch SDPA, fastest fused backend (no sink)"),
+         ("fi_us", "FlashInfer batch prefill, FA2, 64-token pages (no sink)"),
+         ("fi_sink_us", "FlashInfer, the same with the sink"))
+TORCH_COLORS = ("C7", "C8", "C9", "black")   # dotted, with x markers (the floors: solid)
 
 
 def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
@@ -135,14 +137,15 @@ def _torch_times(r: dict) -> dict:
 
 
 def torch_lines(rows: list[dict]) -> list[str]:
-    """Per full-cache attention shape timed beside torch's own attentions: the runtime's time, each
-    torch time and how many times the runtime's that is."""
+    """Per full-cache attention shape timed beside torch's own attentions (and FlashInfer's, session 39):
+    the runtime's time, each other time and how many times the runtime's that is."""
     out = []
     for r in _defaults(rows):
         times = _torch_times(r) if r["kernel"] == "attention" else {}
         if not times:
             continue
-        parts = [f"attention {r['shape']} against torch: the runtime {r['graph_us']:.2f} us"]
+        who = "torch and FlashInfer" if any(key.startswith("fi_") for key in times) else "torch"
+        parts = [f"attention {r['shape']} against {who}: the runtime {r['graph_us']:.2f} us"]
         for key, label in TORCH:
             if key in times:
                 name = label + (f", {r['torch_sdpa_backend']}" if key == "torch_sdpa_us" and "torch_sdpa_backend" in r

@@ -86,3 +86,25 @@ def test_flashinfer_configs_match_the_reference_on_the_gpu():
     ctl = [r for r in rows if "control" in r["config"]]
     assert len(ctl) == 1 and ctl[0]["err"] > 2e-2
     assert all(r["err"] < 2e-2 for r in rows if "control" not in r["config"])
+
+
+def test_report_lines_name_flashinfer_times():
+    import copy
+    import kernel_report as K
+    _, rows, _ = K.load(os.path.join(HERE, "..", "experiments", "results", "kernels_s28", "call8", "bench"))
+    rows = copy.deepcopy(rows)
+    for r in rows:
+        if r["kernel"] == "attention" and r["variant"] == "default" and r["shape"].startswith("full"):
+            r.update(torch_flex_us=5 * r["graph_us"], fi_us=1.5 * r["graph_us"], fi_sink_us=2.25 * r["graph_us"])
+    line = [x for x in K.torch_lines(rows) if x.startswith("attention full64K_w6 ")][0]
+    assert "against torch and FlashInfer" in line
+    assert "FA2, 64-token pages (no sink): " in line and "(1.5x the runtime's time)" in line
+    assert "the same with the sink: " in line and "(2.2x the runtime's time)" in line
+    # negative control: without FlashInfer times (NaN, as a run without it would have none) the line
+    # names torch alone and no FlashInfer figure
+    for r in rows:
+        for key in ("fi_us", "fi_sink_us"):
+            if key in r:
+                r[key] = math.nan
+    line = [x for x in K.torch_lines(rows) if x.startswith("attention full64K_w6 ")][0]
+    assert "against torch:" in line and "FlashInfer" not in line
