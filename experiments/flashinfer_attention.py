@@ -173,7 +173,9 @@ def check(names, contexts=(16384 + 64, 65536), widths=(4, 6, 8), bound=2e-2):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="Check FlashInfer's attention configs against the runtime's reference (GPU).")
-    ap.add_argument("--configs", default="fi_fa2_p16,fi_fa2_p16_sink,fi_fa3_p16,fi_auto_p16,fi_fa2_p1,fi_holistic_p16")
+    ap.add_argument("--configs", default="fi_fa2_p16,fi_fa2_p16_sink,fi_fa3_p16,fi_auto_p16,fi_fa2_p1,fi_holistic_p16",
+                    help="comma list of fi_{fa2|fa3|auto|holistic}_p{page}[_sink]; the first _sink config also runs "
+                         "the negative control (its lse read in the natural base, which must fail the bound)")
     args = ap.parse_args()
     ver = available()
     if ver is None or not torch.cuda.is_available():
