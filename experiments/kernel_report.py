@@ -62,7 +62,7 @@ TORCH = (("torch_flex_us", "torch flex_attention, compiled (with the sink)"),
          ("torch_sdpa_us", "torch SDPA, fastest fused backend (no sink)"),
          ("fi_us", "FlashInfer batch prefill, FA2, 64-token pages (no sink)"),
          ("fi_sink_us", "FlashInfer, the same with the sink"))
-TORCH_COLORS = ("C7", "C8", "C9", "black")   # dotted, with x markers (the floors: solid)
+TORCH_COLORS = ("C7", "C8", "C9", "black")
 
 
 def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
