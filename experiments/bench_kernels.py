@@ -324,13 +324,10 @@ def torch_attention_times(data, n_keys) -> dict:
     # *_err = max |torch - reference| / max |reference|, printed when above BF16's few ulps
     refs = {s: A.attention_reference(q, k, v, start, s, dtype=torch.float32) for s in (None, sinks)}
 
-    def err(calls, ref):
-        return baseline_err(calls, ref, "torch baseline", n_keys)
-
     for backend in TA.sdpa_backends(q, k, v, start):
         try:
             calls = TA.calls("sdpa", data, n_keys, backend)
-            out[f"torch_sdpa_{backend}_err"] = err(calls, refs[None])
+            out[f"torch_sdpa_{backend}_err"] = baseline_err(calls, refs[None], "torch baseline", n_keys)
             out[f"torch_sdpa_{backend}_us"] = graph_time(calls)[0] * 1e6
         except Exception as e:   # noqa: BLE001  (a backend that runs eagerly but fails in a graph)
             print(f"  torch SDPA {backend} at {n_keys} keys left out: {type(e).__name__}: {e}", flush=True)
@@ -340,7 +337,7 @@ def torch_attention_times(data, n_keys) -> dict:
         out.update(torch_sdpa_us=sdpa[best], torch_sdpa_backend=best)
     try:
         calls = TA.calls("flex", data, n_keys, fn=TA.flex_attention if DRY_RUN else None)  # compiled on the GPU
-        out["torch_flex_err"] = err(calls, refs[sinks])
+        out["torch_flex_err"] = baseline_err(calls, refs[sinks], "torch baseline", n_keys)
         out["torch_flex_us"] = graph_time(calls)[0] * 1e6
     except Exception as e:   # noqa: BLE001
         print(f"  torch flex_attention at {n_keys} keys left out: {type(e).__name__}: {e}", flush=True)

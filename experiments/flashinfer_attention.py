@@ -110,15 +110,16 @@ def paged(x: torch.Tensor, page: int) -> torch.Tensor:
     return x.view(cap // page, page, 1, d)
 
 
-def call(wr, q, k, v, sinks, page: int, sink: bool, *, lse_base2: bool = True):
-    """One attention call through the planned wrapper: [w, nh, d]."""
-    kc, vc = paged(k, page), paged(v, page)
-    import flashinfer
-    holistic = isinstance(wr, flashinfer.BatchAttention)   # always returns (o, lse)
-    if not sink:
-        return wr.run(q, (kc, vc))[0] if holistic else wr.run(q, (kc, vc))
-    o, lse = wr.run(q, (kc, vc)) if holistic else wr.run(q, (kc, vc), return_lse=True)
-    return apply_sink(o, lse, sinks, lse_base2=lse_base2)
+def call(wr, q, k, v, sinks, page: int, sink: bool, holistic: bool, *, lse_base2: bool = True):
+    """One attention call through the planned wrapper (``holistic``: a ``BatchAttention``): [w, nh, d]."""
+    kv = (paged(k, page), paged(v, page))
+    if holistic:   # BatchAttention always returns (o, lse)
+        o, lse = wr.run(q, kv)
+    elif sink:
+        o, lse = wr.run(q, kv, return_lse=True)
+    else:
+        return wr.run(q, kv)
+    return apply_sink(o, lse, sinks, lse_base2=lse_base2) if sink else o
 
 
 def calls(name: str, data, n_keys: int, *, lse_base2: bool = True):
@@ -130,8 +131,13 @@ def calls(name: str, data, n_keys: int, *, lse_base2: bool = True):
     q0, k0 = data[0][:2]
     w, nh, d = q0.shape
     wr = planned(backend, page, w, nh, k0.shape[0], d, n_keys, q0.device, 1.0 / math.sqrt(d))
-    return [(lambda q=q, k=k, v=v, s=s: call(wr, q, k, v, s, page, sink, lse_base2=lse_base2))
+    holistic = backend == "holistic"
+    return [(lambda q=q, k=k, v=v, s=s: call(wr, q, k, v, s, page, sink, holistic, lse_base2=lse_base2))
             for q, k, v, s, *_ in data]
+
+
+def _rel_err(out, ref) -> float:
+    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 def check(names, contexts=(16384 + 64, 65536), widths=(4, 6, 8), bound=2e-2):
@@ -152,14 +158,14 @@ def check(names, contexts=(16384 + 64, 65536), widths=(4, 6, 8), bound=2e-2):
             for name in names:
                 sink = parse(name)[2]
                 out = calls(name, data, ctx)[0]().float()
-                err = ((out - refs[sink]).abs().max() / refs[sink].abs().max()).item()
+                err = _rel_err(out, refs[sink])
                 rows.append(dict(config=name, ctx=ctx, w=w, err=err))
                 if not err < bound:
                     bad.append(f"{name} at {ctx} keys, w = {w}: {err:.3g}")
             ctl = next((n for n in names if parse(n)[2]), None)
             if ctl:
                 out = calls(ctl, data, ctx, lse_base2=False)[0]().float()
-                err = ((out - refs[True]).abs().max() / refs[True].abs().max()).item()
+                err = _rel_err(out, refs[True])
                 rows.append(dict(config=f"{ctl} (control: natural-base lse)", ctx=ctx, w=w, err=err))
                 if err < bound:
                     bad.append(f"the control {ctl} with a natural-base lse passed at {ctx} keys, w = {w}: {err:.3g}")
