@@ -210,8 +210,9 @@ def bench_attention(copy_bw, l2, sweep):
                ("v2_pdl", dict(variant="v2", pdl=True))]
     # v2 + PDL: key blocks per split prefetched to L2 before the split's wait (default PREFETCH_BLOCKS)
     configs += [(f"v2_pdl_pf{pf}", dict(variant="v2", pdl=True, prefetch=pf)) for pf in (0, 4, 8)]
-    # v2 + PDL (no prefetch) tiles: a 64-row Q tile at every width (w = 4 packs 24 rows: 32 by
-    # default), 128 or 32 keys per block, two splits per SM
+    # v2 + PDL (no prefetch) tiles: a 64-row Q tile at every width (the default's own tile since
+    # attention.MIN_BLOCK_M became 64, so this row is a same-run repeat of "default"), 128 or 32 keys
+    # per block, two splits per SM
     v2p = dict(variant="v2", pdl=True, prefetch=0)
     configs += [("v2p_m64", dict(v2p, min_block_m=64)),
                 ("v2p_bn128_st2", dict(v2p, block_n=128, num_stages=2)),
