@@ -31,7 +31,15 @@ JSON):
   line fitted per paired round (``sweep_fit``: what one more KV byte costs the whole step, as a
   fraction of copy bandwidth), and the step's floor beside it.
 
-Exit status 1 when any goal fails. ``bench_kernels.py`` prints its goals through ``goal_checks`` and
+Several runs at once (``--runs``; folders, JSONs or a device call's ``results.tgz``, read in place):
+how close each goal came in each, i.e. the default row's range, median and the runs under the goal,
+and with ``--repeats attention=v2p_m64,...`` the same for rows that run the default's code under
+another name (the spread between identical calls of one run):
+
+    python3 experiments/kernel_report.py --runs experiments/results/kernels_s*/call*/{bench,results.tgz} \
+        --repeats attention=v2,v2_pdl,v2_pdl_pf0,v2p_m64
+
+Exit status 1 when any goal fails (of the one run given positionally; ``--runs`` alone exits 0). ``bench_kernels.py`` prints its goals through ``goal_checks`` and
 ``attention_lines`` and writes the first two figures itself. Nothing here imports torch; matplotlib
 only when drawing.
 """
@@ -43,6 +51,7 @@ import math
 import os
 import statistics
 import sys
+import tarfile
 
 ATTENTION_GOAL = 0.70       # of copy bandwidth, full-cache attention at >= 64K keys
 ATTENTION_GOAL_KEYS = 65536
@@ -65,14 +74,29 @@ TORCH = (("torch_flex_us", "torch flex_attention, compiled (with the sink)"),
 TORCH_COLORS = ("C7", "C8", "C9", "black")
 
 
+def _is_archive(path: str) -> bool:
+    return path.endswith((".tgz", ".tar.gz"))
+
+
 def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
-    """(payload, rows, file) of ``path``: a ``<name>.json`` or the folder holding one. Raises
-    SystemExit with what is wrong (missing file, no rows, no copy bandwidth)."""
-    f = os.path.join(path, f"{name}.json") if os.path.isdir(path) else path
-    if not os.path.isfile(f):
-        raise SystemExit(f"{f}: no such file (give a {name}.json or the folder a run wrote it to)")
-    with open(f) as fh:
-        payload = json.load(fh)
+    """(payload, rows, file) of ``path``: a ``<name>.json``, the folder holding one, or a device call's
+    ``results.tgz`` holding one (read in place; ``file`` is then ``archive:member``). Raises SystemExit
+    with what is wrong (missing file, no rows, no copy bandwidth)."""
+    if _is_archive(path):
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path}: no such file")
+        with tarfile.open(path) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and os.path.basename(m.name) == f"{name}.json"]
+            if len(members) != 1:
+                raise SystemExit(f"{path}: {len(members)} {name}.json in the archive (one is needed)")
+            f = f"{path}:{members[0].name}"
+            payload = json.load(tar.extractfile(members[0]))
+    else:
+        f = os.path.join(path, f"{name}.json") if os.path.isdir(path) else path
+        if not os.path.isfile(f):
+            raise SystemExit(f"{f}: no such file (give a {name}.json or the folder a run wrote it to)")
+        with open(f) as fh:
+            payload = json.load(fh)
     rows = payload.get("rows") if isinstance(payload, dict) else None
     if not rows:
         raise SystemExit(f"{f}: no 'rows': not the output of {name}.py")
@@ -110,6 +134,100 @@ def goal_summary(goals: list[dict]) -> str:
              f"{'>=' if 'reference' not in g['name'] else '>'} {g['need']:.2f})" for g in goals]
     n_ok = sum(g["ok"] for g in goals)
     return "\n".join(lines + [f"{n_ok} PASS, {len(goals) - n_ok} FAIL"])
+
+
+def margins(runs: list[tuple[str, list[dict]]], repeats: dict | None = None) -> list[dict]:
+    """How close each goal came over several runs: per goal of ``goal_checks`` (in first-seen order)
+    {name, need, values: [(run label, value)], repeat_values: [(run label, variant, value)]}. ``values``
+    are each run's default row (its tree's defaults); ``repeat_values`` the fractions of copy
+    bandwidth of the rows that ``repeats`` ({kernel: variants}) names, at the default's shape, for goals
+    on a fraction (variants that run the default's code under another name, e.g. attention's
+    ``v2p_m64``: the same run's spread between identical calls; a variant name means another code in
+    another kernel, hence per kernel). A goal absent from a run is left out of that run."""
+    repeats = repeats or {}
+    by_name: dict[str, dict] = {}
+    for label, rows in runs:
+        for g in goal_checks(rows):
+            m = by_name.setdefault(g["name"], dict(name=g["name"], need=g["need"], values=[], repeat_values=[]))
+            m["values"].append((label, g["value"]))
+        for r in rows:
+            if r.get("variant") not in repeats.get(r["kernel"], ()):
+                continue
+            for d in _defaults(rows):
+                if d["kernel"] == r["kernel"] and d["shape"] == r["shape"]:
+                    for g in goal_checks([d]):
+                        if "reference" not in g["name"]:
+                            by_name[g["name"]]["repeat_values"].append((label, r["variant"], r["frac"]))
+    return list(by_name.values())
+
+
+def _named(items: list[str], most: int = 4) -> str:
+    return " (" + ", ".join(items[:most]) + (f", ... {len(items) - most} more" if len(items) > most else "") + ")"
+
+
+def margin_lines(ms: list[dict]) -> list[str]:
+    """One line per goal of ``margins``: the default's range over the runs, its median, the runs under
+    the goal (named, the first few); then the repeats' range and those of them under it. A goal
+    is missed where a value is below its need (the goals' own test: >= for fractions, > for speed-ups,
+    equality aside)."""
+    out = []
+    for m in ms:
+        vals = [v for _, v in m["values"]]
+        under = [lab for lab, v in m["values"] if v < m["need"]]
+        line = (f"{m['name']}: default {min(vals):.3f}-{max(vals):.3f} over {len(vals)} runs (median "
+                f"{statistics.median(vals):.3f}), "
+                + ("every run under the goal" if under and len(under) == len(vals)
+                   else f"{len(under)} under the goal" + (_named(under) if under else "")))
+        if m["repeat_values"]:
+            rv = [v for _, _, v in m["repeat_values"]]
+            r_under = [f"{lab} {var} {v:.3f}" for lab, var, v in m["repeat_values"] if v < m["need"]]
+            line += (f"; the same code under other names: {min(rv):.3f}-{max(rv):.3f} over {len(rv)} rows, "
+                     + ("every one under" if r_under and len(r_under) == len(rv)
+                        else f"{len(r_under)} under" + (_named(r_under) if r_under else "")))
+        out.append(line)
+    return out
+
+
+def _run_label(path: str) -> str:
+    """A run's name in the margin lines: its path without the results folder and the file name."""
+    p = os.path.normpath(path)
+    for tail in ("results.tgz", "bench_kernels.json", "bench"):
+        if os.path.basename(p) == tail:
+            p = os.path.dirname(p)
+    marker = os.path.join("experiments", "results") + os.sep
+    return p.split(marker, 1)[1] if marker in p else p
+
+
+def runs_report(paths: list[str], repeats: dict | None = None) -> list[str]:
+    """--runs: the margin lines over every path that holds a bench_kernels.json (a folder, the file, a
+    results.tgz), with the copy bandwidth the runs read and the paths that hold none named."""
+    runs, bws, skipped = [], [], []
+    for path in paths:
+        try:
+            payload, rows, _ = load(path)
+        except SystemExit:
+            skipped.append(path)
+            continue
+        runs.append((_run_label(path), rows))
+        bws.append(payload["env"]["copy_bw"])
+    if not runs:
+        raise SystemExit("--runs: none of the paths holds a bench_kernels.json")
+    lines = [f"{len(runs)} runs; copy bandwidth read {min(bws) / 1e12:.3f}-{max(bws) / 1e12:.3f} TB/s"]
+    if skipped:
+        lines.append(f"no bench_kernels.json in {len(skipped)} of the paths" + _named(skipped, 3))
+    return lines + margin_lines(margins(runs, repeats))
+
+
+def parse_repeats(specs: list[str]) -> dict:
+    """--repeats KERNEL=V1,V2 (repeatable) as {kernel: (variants)}; SystemExit on a malformed one."""
+    out: dict[str, tuple] = {}
+    for spec in specs or ():
+        kernel, sep, variants = spec.partition("=")
+        names = tuple(v for v in variants.split(",") if v)
+        if not (sep and kernel and names):
+            raise SystemExit(f"--repeats {spec!r}: give KERNEL=VARIANT[,VARIANT...], e.g. attention=v2p_m64")
+        out[kernel] = out.get(kernel, ()) + names
+    return out
 
 
 def attention_lines(rows: list[dict], copy_bw: float) -> list[str]:
@@ -633,10 +751,21 @@ def main(argv=None) -> int:
                                  "configs (contexts from 16K)")
     ap.add_argument("--holdout", help="an ab_attention.py JSON (or its folder) at other contexts: the fixed-cost "
                                       "model's predictions against its times")
+    ap.add_argument("--runs", nargs="+", metavar="RUN",
+                    help="several bench_kernels runs (folders, JSONs or a device call's results.tgz): how close "
+                         "each goal came in each (the default row's range, median and the runs under the goal)")
+    ap.add_argument("--repeats", action="append", metavar="KERNEL=V1,V2",
+                    help="with --runs: a kernel's variants that run its default's code under other names, their "
+                         "range too (repeatable; e.g. attention=v2,v2_pdl,v2_pdl_pf0,v2p_m64 for the runs of "
+                         "sessions 28-40)")
     args = ap.parse_args(argv)
-    if not args.kernels and not args.step:
-        ap.error("give a bench_kernels.json (or its folder), or --step with a bench_step.json")
+    if not args.kernels and not args.step and not args.runs:
+        ap.error("give a bench_kernels.json (or its folder), --step with a bench_step.json, or --runs")
+    if args.repeats and not args.runs:
+        ap.error("--repeats goes with --runs")
     written, status = [], 0
+    if args.runs:
+        print("\n".join(runs_report(args.runs, parse_repeats(args.repeats))))
     if args.kernels:
         status, out, written = _kernels_report(args)
     if args.step:

@@ -358,3 +358,67 @@ def test_sweep_command_line(tmp_path, capsys):
         K.main(["--step", str(p)])
     with pytest.raises(SystemExit):
         K.main([])
+
+
+def _goal(ms, name):
+    (m,) = [m for m in ms if m["name"] == name]
+    return m
+
+
+def test_margins_over_runs_name_the_runs_under_a_goal(run):
+    """Three copies of the session-28 run with 192K w = 8 at 0.71 / 0.69 / 0.75 of copy bandwidth: the
+    range, the median and the one run under the goal, by name. Negative control: a repeat of the
+    default's code under the goal in a run whose default passes is counted only among the repeats,
+    and only when the kernel's repeats name it (the same variant name in another kernel is another
+    code)."""
+    _, rows = run
+    runs = []
+    for label, frac in (("a", 0.71), ("b", 0.69), ("c", 0.75)):
+        rr = copy.deepcopy(rows)
+        _row(rr, "attention", "full192K_w8")["frac"] = frac
+        runs.append((label, rr))
+    (rep,) = [r for r in runs[0][1] if r["kernel"] == "attention" and r["shape"] == "full192K_w8"
+              and r["variant"] == "v2p_m64"]
+    rep["frac"] = 0.695
+    name = "attention full192K_w8 >= 0.70"
+    m = _goal(K.margins(runs), name)
+    assert m["values"] == [("a", 0.71), ("b", 0.69), ("c", 0.75)] and m["repeat_values"] == []
+    (line,) = [ln for ln in K.margin_lines(K.margins(runs)) if ln.startswith(name)]
+    assert "default 0.690-0.750 over 3 runs (median 0.710), 1 under the goal (b)" in line
+    m = _goal(K.margins(runs, {"attention": ("v2p_m64",)}), name)
+    assert [(lab, v) for lab, var, v in m["repeat_values"] if v < 0.70] == [("a", 0.695)]
+    assert len(m["repeat_values"]) == 3
+    (line,) = [ln for ln in K.margin_lines(K.margins(runs, {"attention": ("v2p_m64",)})) if ln.startswith(name)]
+    assert line.endswith("1 under (a v2p_m64 0.695)")
+    # the moe's "v2" is not attention's: no repeats for the MoE goal unless named for the moe
+    moe = "moe H6144_I256_E128_w6_realistic38 >= 0.65"
+    assert _goal(K.margins(runs, {"attention": ("v2",)}), moe)["repeat_values"] == []
+    # every 64K run misses: said so, not listed
+    (l64,) = [ln for ln in K.margin_lines(K.margins(runs)) if ln.startswith("attention full64K_w8 >= 0.70")]
+    assert "every run under the goal" in l64
+
+
+def test_runs_read_in_place_from_device_archives(tmp_path, capsys):
+    """The committed archive of session 40's call 1 (results.tgz) and session 28's folder: each run's
+    values are its own goal_checks values; a path without a bench JSON is named, an archive with none
+    is refused by load, a malformed --repeats is refused."""
+    s40 = os.path.join(HERE, "..", "experiments", "results", "kernels_s40", "call1", "results.tgz")
+    payload, rows, f = K.load(s40)
+    assert f.endswith(":bench/bench_kernels.json") and payload["env"]["copy_bw"] > 4e12
+    assert _row(rows, "attention", "full192K_w8")["frac"] == pytest.approx(0.7027, abs=5e-4)
+    assert K.main(["--runs", RUN, s40, str(tmp_path), "--repeats", "attention=v2p_m64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 runs; copy bandwidth read")
+    assert f"no bench_kernels.json in 1 of the paths ({tmp_path})" in out
+    line = [ln for ln in out.splitlines() if ln.startswith("attention full192K_w8 >= 0.70")][0]
+    lo = min(_row(K.load(p)[1], "attention", "full192K_w8")["frac"] for p in (RUN, s40))
+    assert line.split("default ")[1].startswith(f"{lo:.3f}-") and "over 2 runs" in line
+    assert "the same code under other names:" in line and "over 2 rows" in line
+    import tarfile
+    bad = tmp_path / "results.tgz"
+    with tarfile.open(bad, "w:gz") as t:
+        t.add(os.path.join(RUN, "..", "bench.log"), arcname="bench/bench.log")
+    with pytest.raises(SystemExit, match="0 bench_kernels.json in the archive"):
+        K.load(str(bad))
+    with pytest.raises(SystemExit, match="KERNEL=VARIANT"):
+        K.main(["--runs", RUN, "--repeats", "v2p_m64"])
