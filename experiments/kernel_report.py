@@ -36,7 +36,7 @@ how close each goal came in each, i.e. the default row's range, median and the r
 and with ``--repeats attention=v2p_m64,...`` the same for rows that run the default's code under
 another name (the spread between identical calls of one run):
 
-    python3 experiments/kernel_report.py --runs experiments/results/kernels_s*/call*/{bench,results.tgz} \
+    python3 experiments/kernel_report.py --runs experiments/results/kernels_s*/call*/{bench,results.tgz} \\
         --repeats attention=v2,v2_pdl,v2_pdl_pf0,v2p_m64
 
 Exit status 1 when any goal fails (of the one run given positionally; ``--runs`` alone exits 0). ``bench_kernels.py`` prints its goals through ``goal_checks`` and
