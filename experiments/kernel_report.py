@@ -39,8 +39,9 @@ another name (the spread between identical calls of one run):
     python3 experiments/kernel_report.py --runs experiments/results/kernels_s*/call*/{bench,results.tgz} \\
         --repeats attention=v2,v2_pdl,v2_pdl_pf0,v2p_m64
 
-Exit status 1 when any goal fails (of the one run given positionally; ``--runs`` alone exits 0). ``bench_kernels.py`` prints its goals through ``goal_checks`` and
-``attention_lines`` and writes the first two figures itself. Nothing here imports torch; matplotlib
+Exit status 1 when any goal fails (of the one run given positionally; ``--runs`` alone exits 0).
+``bench_kernels.py`` prints its goals through ``goal_checks`` and ``attention_lines`` and writes the
+first two figures itself. Nothing here imports torch; matplotlib
 only when drawing.
 """
 from __future__ import annotations
@@ -150,14 +151,12 @@ def margins(runs: list[tuple[str, list[dict]]], repeats: dict | None = None) -> 
         for g in goal_checks(rows):
             m = by_name.setdefault(g["name"], dict(name=g["name"], need=g["need"], values=[], repeat_values=[]))
             m["values"].append((label, g["value"]))
+        frac_goal = {(d["kernel"], d["shape"]): g["name"] for d in _defaults(rows) for g in goal_checks([d])
+                     if "reference" not in g["name"]}
         for r in rows:
-            if r.get("variant") not in repeats.get(r["kernel"], ()):
-                continue
-            for d in _defaults(rows):
-                if d["kernel"] == r["kernel"] and d["shape"] == r["shape"]:
-                    for g in goal_checks([d]):
-                        if "reference" not in g["name"]:
-                            by_name[g["name"]]["repeat_values"].append((label, r["variant"], r["frac"]))
+            name = frac_goal.get((r["kernel"], r["shape"]))
+            if name and r.get("variant") in repeats.get(r["kernel"], ()):
+                by_name[name]["repeat_values"].append((label, r["variant"], r["frac"]))
     return list(by_name.values())
 
 
@@ -200,7 +199,8 @@ def _run_label(path: str) -> str:
 
 def runs_report(paths: list[str], repeats: dict | None = None) -> list[str]:
     """--runs: the margin lines over every path that holds a bench_kernels.json (a folder, the file, a
-    results.tgz), with the copy bandwidth the runs read and the paths that hold none named."""
+    results.tgz), with the copy bandwidth the runs read and the paths that hold none (or one ``load``
+    refuses) named."""
     runs, bws, skipped = [], [], []
     for path in paths:
         try:
@@ -214,7 +214,7 @@ def runs_report(paths: list[str], repeats: dict | None = None) -> list[str]:
         raise SystemExit("--runs: none of the paths holds a bench_kernels.json")
     lines = [f"{len(runs)} runs; copy bandwidth read {min(bws) / 1e12:.3f}-{max(bws) / 1e12:.3f} TB/s"]
     if skipped:
-        lines.append(f"no bench_kernels.json in {len(skipped)} of the paths" + _named(skipped, 3))
+        lines.append(f"no usable bench_kernels.json in {len(skipped)} of the paths" + _named(skipped, 3))
     return lines + margin_lines(margins(runs, repeats))
 
 

@@ -409,7 +409,7 @@ def test_runs_read_in_place_from_device_archives(tmp_path, capsys):
     assert K.main(["--runs", RUN, s40, str(tmp_path), "--repeats", "attention=v2p_m64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("2 runs; copy bandwidth read")
-    assert f"no bench_kernels.json in 1 of the paths ({tmp_path})" in out
+    assert f"no usable bench_kernels.json in 1 of the paths ({tmp_path})" in out
     line = [ln for ln in out.splitlines() if ln.startswith("attention full192K_w8 >= 0.70")][0]
     lo = min(_row(K.load(p)[1], "attention", "full192K_w8")["frac"] for p in (RUN, s40))
     assert line.split("default ")[1].startswith(f"{lo:.3f}-") and "over 2 runs" in line
