@@ -75,15 +75,11 @@ TORCH = (("torch_flex_us", "torch flex_attention, compiled (with the sink)"),
 TORCH_COLORS = ("C7", "C8", "C9", "black")
 
 
-def _is_archive(path: str) -> bool:
-    return path.endswith((".tgz", ".tar.gz"))
-
-
 def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]:
     """(payload, rows, file) of ``path``: a ``<name>.json``, the folder holding one, or a device call's
     ``results.tgz`` holding one (read in place; ``file`` is then ``archive:member``). Raises SystemExit
     with what is wrong (missing file, no rows, no copy bandwidth)."""
-    if _is_archive(path):
+    if path.endswith((".tgz", ".tar.gz")):
         if not os.path.isfile(path):
             raise SystemExit(f"{path}: no such file")
         with tarfile.open(path) as tar:
@@ -164,6 +160,13 @@ def _named(items: list[str], most: int = 4) -> str:
     return " (" + ", ".join(items[:most]) + (f", ... {len(items) - most} more" if len(items) > most else "") + ")"
 
 
+def _under(under: list[str], n: int, every: str, some: str) -> str:
+    """``every`` when all n are under the goal, else the count with ``some`` and the first few named."""
+    if under and len(under) == n:
+        return every
+    return f"{len(under)} {some}" + (_named(under) if under else "")
+
+
 def margin_lines(ms: list[dict]) -> list[str]:
     """One line per goal of ``margins``: the default's range over the runs, its median, the runs under
     the goal (named, the first few); then the repeats' range and those of them under it. A goal
@@ -174,15 +177,13 @@ def margin_lines(ms: list[dict]) -> list[str]:
         vals = [v for _, v in m["values"]]
         under = [lab for lab, v in m["values"] if v < m["need"]]
         line = (f"{m['name']}: default {min(vals):.3f}-{max(vals):.3f} over {len(vals)} runs (median "
-                f"{statistics.median(vals):.3f}), "
-                + ("every run under the goal" if under and len(under) == len(vals)
-                   else f"{len(under)} under the goal" + (_named(under) if under else "")))
+                f"{statistics.median(vals):.3f}), " + _under(under, len(vals), "every run under the goal",
+                                                              "under the goal"))
         if m["repeat_values"]:
             rv = [v for _, _, v in m["repeat_values"]]
             r_under = [f"{lab} {var} {v:.3f}" for lab, var, v in m["repeat_values"] if v < m["need"]]
             line += (f"; the same code under other names: {min(rv):.3f}-{max(rv):.3f} over {len(rv)} rows, "
-                     + ("every one under" if r_under and len(r_under) == len(rv)
-                        else f"{len(r_under)} under" + (_named(r_under) if r_under else "")))
+                     + _under(r_under, len(rv), "every one under", "under"))
         out.append(line)
     return out
 

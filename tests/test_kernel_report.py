@@ -8,6 +8,7 @@ import os
 import re
 import statistics
 import sys
+import tarfile
 
 import pytest
 
@@ -414,7 +415,6 @@ def test_runs_read_in_place_from_device_archives(tmp_path, capsys):
     lo = min(_row(K.load(p)[1], "attention", "full192K_w8")["frac"] for p in (RUN, s40))
     assert line.split("default ")[1].startswith(f"{lo:.3f}-") and "over 2 runs" in line
     assert "the same code under other names:" in line and "over 2 rows" in line
-    import tarfile
     bad = tmp_path / "results.tgz"
     with tarfile.open(bad, "w:gz") as t:
         t.add(os.path.join(RUN, "..", "bench.log"), arcname="bench/bench.log")
