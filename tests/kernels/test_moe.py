@@ -619,6 +619,96 @@ def test_interp_group_table(w, kind, dwa):
     assert _rejected(run_case(M, MINI, w, kind, seed=5, _scale_bug=True, down_nb=2, group_table=True))
 
 
+# --------------------------------------------------------- gu_down (the Down's I-slices in Gate/Up)
+def _gu_down_cases(M, shape, w, kind, seed, weights, **kw):
+    """(errors of gu_down on the checkpoint's layout, whether the sliced layout gave the same bits,
+    errors of the two negative controls: the last slice left out, the wrong weight scale block)."""
+    w13, s13, w2, s2 = weights
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(w, shape["H"], generator=g).to(torch.bfloat16).to(_dev())
+    ids, tw = make_routing(w, shape["E"], kind, seed + 1)
+    a = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, gu_down=True, **kw)
+    b = M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, gu_down=True, w2_sliced=M.slice_down_weights(w2, kw.get("gu_block_n")),
+                        **kw)
+    return (run_case(M, shape, w, kind, seed, weights=weights, gu_down=True, **kw), torch.equal(a, b),
+            run_case(M, shape, w, kind, seed, weights=weights, gu_down=True, _slice_bug=True, **kw),
+            run_case(M, shape, w, kind, seed, weights=weights, gu_down=True, _scale_bug=True, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(), dict(pdl=False), dict(gu_down_tile=64, gu_down_stages=4),
+                                  dict(gu_weights_a=False), dict(gu_block_n=64)])
+@pytest.mark.parametrize("w,kind", [(4, "random"), (6, "shared"), (8, "same"), (7, "random")])
+def test_q1_shard_gu_down(w, kind, opts):
+    """gu_down against the references, on both Down layouts (the same bits); negative controls: the
+    reduce leaving out the last I-slice, the wrong scale block."""
+    M = load_kernels("moe")
+    ok, same, slice_bug, scale_bug = _gu_down_cases(M, Q1, w, kind, 1700 + w, _q1_weights(), **opts)
+    assert _ok(ok), ok
+    assert same
+    assert _rejected(slice_bug), slice_bug
+    assert _rejected(scale_bug), scale_bug
+
+
+@pytest.mark.gpu
+def test_gu_down_graph_replays_with_new_routing_and_norm():
+    """gu_down captured with PDL and the reduce's fused add + RMSNorm (the step's form), replayed with
+    new routing: each replay against the separate three-launch default with the same norm."""
+    M = load_kernels("moe")
+    w13, s13, w2, s2 = _q1_weights()
+    w, H = 6, Q1["H"]
+    x = torch.randn(w, H, device="cuda").to(torch.bfloat16)
+    ids, tw = make_routing(w, Q1["E"], "random", 1)
+    res0 = (0.01 * torch.randn(w, H, device="cuda")).to(torch.bfloat16)   # small: the MoE's sum dominates
+    wt = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
+    cnt = torch.zeros(8, dtype=torch.int32, device="cuda")
+    res, out = res0.clone(), torch.empty((w, H), dtype=torch.bfloat16, device="cuda")
+    sliced = M.slice_down_weights(w2)
+    g = captured(lambda: M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out, gu_down=True, w2_sliced=sliced,
+                                         pdl=True, norm=(res, wt, 1e-6, cnt)))
+    for seed, kind in ROUTINGS:
+        new_ids, new_tw = make_routing(w, Q1["E"], kind, seed)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        res.copy_(res0)
+        out.fill_(float("nan"))
+        g.replay()
+        r2, o2 = res0.clone(), torch.empty_like(out)
+        M.fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, o2, pdl=True, norm=(r2, wt, 1e-6, cnt))
+        assert rel_err(res, r2) < 1e-2
+        assert rel_err(out, o2) < 1e-2
+        assert int(cnt.abs().sum()) == 0
+
+
+def test_gu_down_options_are_checked():
+    M = load_kernels("moe")
+    H, I, E, w = MINI["H"], MINI["I"], MINI["E"], 4
+    w13, s13, w2, s2 = (t.cpu() for t in make_weights(H, I, E, 1))
+    x = torch.randn(w, H).to(torch.bfloat16)
+    ids, tw = (t.cpu() for t in make_routing(w, E, "random", 1))
+    for kw in (dict(gu_down=True, w2_sliced=w2),                          # not sliced
+               dict(gu_down=True, w2_sliced=M.slice_down_weights(w2, 64)),  # another slice width
+               dict(w2_sliced=M.slice_down_weights(w2)),                  # without gu_down
+               dict(_slice_bug=True),
+               dict(gu_down=True, gu_down_tile=48)):
+        with pytest.raises(ValueError):
+            M.moe_plan(x, ids, tw, w13, s13, w2, s2, **kw)
+    with pytest.raises(ValueError):
+        M.slice_down_weights(w2, 48)
+
+
+@cpu_only
+@pytest.mark.parametrize("shape,w,kind", [(MINI, 6, "shared"), (MINI_I, 8, "same")])
+def test_interp_gu_down(shape, w, kind):
+    M = load_kernels("moe")
+    ok, same, slice_bug, scale_bug = _gu_down_cases(
+        M, shape, w, kind, 17, make_weights(shape["H"], shape["I"], shape["E"], 17))
+    assert _ok(ok), ok
+    assert same
+    assert _rejected(slice_bug), slice_bug
+    assert _rejected(scale_bug), scale_bug
+
+
 # ------------------------------------------------------------------------------ v2 (all checks)
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", [4, 5, 6, 7, 8])
