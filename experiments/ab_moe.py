@@ -70,7 +70,7 @@ CONFIGS = {
     "gu_down": dict(gu_down=True),
     "gu_down_sliced": dict(gu_down=True, w2_sliced="sliced"),
     **{f"gu_down_sliced_t{t}_st{st}": dict(gu_down=True, w2_sliced="sliced", gu_down_tile=t, gu_down_stages=st)
-       for t, st in ((256, 2), (256, 4), (128, 4), (64, 6))},
+       for t, st in ((256, 2), (256, 4), (256, 6), (256, 8), (128, 4), (64, 6))},
     "gu_down_sliced_no_pdl": dict(gu_down=True, w2_sliced="sliced", pdl=False),
 }
 
