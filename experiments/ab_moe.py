@@ -65,13 +65,6 @@ CONFIGS = {
     "bits": dict(group_bits=True),
     "no_bits": dict(group_bits=False),
     "bits_ranked": dict(group_bits=True, group_table=False),
-    # the Down's I-slice in each Gate/Up program (gu_down, session 42): two launches, no Down kernel;
-    # "sliced": the Down weight as contiguous slices (slice_down_weights, made once per weight set)
-    "gu_down": dict(gu_down=True),
-    "gu_down_sliced": dict(gu_down=True, w2_sliced="sliced"),
-    **{f"gu_down_sliced_t{t}_st{st}": dict(gu_down=True, w2_sliced="sliced", gu_down_tile=t, gu_down_stages=st)
-       for t, st in ((256, 2), (256, 4), (256, 6), (256, 8), (128, 4), (64, 6))},
-    "gu_down_sliced_no_pdl": dict(gu_down=True, w2_sliced="sliced", pdl=False),
 }
 
 
@@ -81,18 +74,8 @@ def _calls(name, data):
     down = name.startswith("down:")
     kw = CONFIGS[name.split(":", 1)[1] if down else name]
     if not down:
-        sliced = {}   # w2_sliced="sliced": each weight set's Down weight sliced once
-
-        def opts(wt):
-            if kw.get("w2_sliced") != "sliced":
-                return kw
-            if id(wt[2]) not in sliced:
-                sliced[id(wt[2])] = M.slice_down_weights(wt[2])
-            return {**kw, "w2_sliced": sliced[id(wt[2])]}
-        return [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o, k=opts(wt): M.fused_moe_fp8(x, ids, tw, *wt, o, **k))
+        return [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o: M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
                 for x, ids, tw, wt, o in data]
-    if kw.get("gu_down"):
-        raise SystemExit(f"{name}: gu_down has no Down launch to time alone")
     out = []
     for x, ids, tw, wt, o in data:
         steps = dict(M.moe_plan(x, ids, tw, *wt, o, **kw)[1])

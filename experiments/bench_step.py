@@ -274,15 +274,6 @@ def _moe_opts(rnd: Round, **kw) -> None:
     _model_variant(rnd, _moe_options={**rnd.model._moe_options, **kw})
 
 
-def _gu_down_sliced(rnd: Round, **kw) -> None:
-    """rnd's model with gu_down on every layer's Down weight sliced (``moe.slice_down_weights``)."""
-    from runtime.kernels import moe as _moe
-
-    m = rnd.model
-    sliced = {id(lw): _moe.slice_down_weights(lw.w2) for lw in m.layers + [t.layer for t in m.mtp]}
-    _model_variant(rnd, _moe_options={**m._moe_options, "gu_down": True, **kw}, moe_w2_sliced=sliced)
-
-
 def _attn_opts(rnd: Round, **kw) -> None:
     """rnd's model with the attention kernels called with keywords ``kw`` on top of its attention_options."""
     _model_variant(rnd, _attn_options={**rnd.model._attn_options, **kw})
@@ -575,11 +566,6 @@ AB_VARIANTS = {
     "moe_dnb4_st2": lambda rnd: _moe_opts(rnd, down_nb=4, down_num_stages=2),
     "moe_dnb6_st3": lambda rnd: _moe_opts(rnd, down_nb=6, down_num_stages=3),
     # the wide Down's expert group read from the Gate/Up's table / ranked from the ids (group_table)
-    # the Down's I-slice in each Gate/Up program (session 42): on the checkpoint's Down layout, and on
-    # contiguous slices (slice_down_weights of every layer's w2: ~18 GB more on the q1 shard)
-    "moe_gu_down": lambda rnd: _moe_opts(rnd, gu_down=True),
-    "moe_gu_down_sliced": lambda rnd: _gu_down_sliced(rnd),
-    "moe_gu_down_sliced_t64": lambda rnd: _gu_down_sliced(rnd, gu_down_tile=64, gu_down_stages=6),
     "moe_group_table": lambda rnd: _moe_opts(rnd, group_table=True),
     "moe_group_ranked": lambda rnd: _moe_opts(rnd, group_table=False),
     **{f"moe_gt_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, group_table=True, down_nb=n)) for n in (4, 8)},

@@ -238,9 +238,6 @@ class FastModel(Model):
         # The MoE reduce also does the next residual add + RMSNorm (one launch fewer per layer; the
         # same values: bench_step.py --ab moe_norm_apart measures it). Its per-row arrival counters:
         self.fuse_moe_norm = True
-        # {id(layer weights): slice_down_weights(its w2)}: handed to the MoE as w2_sliced (gu_down only;
-        # empty: the Down weight's checkpoint layout)
-        self.moe_w2_sliced: dict = {}
         # The pre-MoE add + RMSNorm without a launch of its own: the output projection adds its result
         # to the residual in its epilogue and writes per-block sums of squares
         # (skinny_linear(residual=)), and the router normalises its slices of the residual itself,
@@ -470,8 +467,7 @@ class FastModel(Model):
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
                                _norm_bug=self.broken == "moe_norm_bug", norm_weight_first=self.norm_weight_first,
-                               **({"w2_sliced": self.moe_w2_sliced[id(lw)]} if id(lw) in self.moe_w2_sliced
-                                  else {}), **self._moe_options)
+                               **self._moe_options)
         # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
         # the MoE output it stands in for is counted on a tensor of the same shape and dtype)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y

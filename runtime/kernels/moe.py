@@ -185,16 +185,6 @@ GT_COLS = 32        # [0] expert, [16, 16 + GU / Down BLOCK_M) member pairs
 # stages 1.0054 / 1.0047 of it (call 9; bench_step.py --ab moe_group_cmp_st3).
 GROUP_BITS = True
 GROUP_BITS_MAX_E = 256
-# The Down's I-slice in each Gate/Up program (keyword gu_down; two launches instead of three): program
-# (g, nb) multiplies its GU_BLOCK_N E4M3 activations by the same columns of the group's Down weight for
-# every output row and writes an FP32 partial; the reduce sums the I / GU_BLOCK_N partials of each pair
-# in slice order. The Down then needs neither its own launch nor the whole Gate/Up grid's completion.
-# ``w2_sliced`` (``slice_down_weights``): the Down weight as contiguous slices; without it the slices are
-# read from the checkpoint's [E, H, I] layout (GU_BLOCK_N bytes of each 256-byte row). GU_DOWN_TILE
-# output rows per step, GU_DOWN_STAGES pipeline stages.
-GU_DOWN = False
-GU_DOWN_TILE = 128
-GU_DOWN_STAGES = 3
 
 # v2 (``variant="v2"``): two launches. Gate/Up split along H (GU2_SPLIT_K programs per (group, 32
 # columns): 1,824 programs of 8 H blocks for 38 experts instead of 304 of 48; 3 resident per SM at
@@ -374,24 +364,12 @@ def _moe_gate_up_kernel(
     SCALE_BUG: tl.constexpr, F16: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
     WAIT: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
     GT=None, GROUP_TABLE: tl.constexpr = False, E_WORDS: tl.constexpr = 0,
-    W2=None, S2=None, YP=None, stride_w2e=0, stride_w2s=0, stride_w2h=0, stride_s2e=0, stride_s2n=0,
-    stride_s2k=0, stride_yp=0, stride_ym=0, DOWN: tl.constexpr = False, DOWN_TILE: tl.constexpr = 128,
-    DOWN_STAGES: tl.constexpr = 2, DOWN_RELEASE: tl.constexpr = False,
 ):
     """``TIMELINE`` (diagnostics, ``moe_plan(_timeline=)``): program (g, nb) stamps record g * grid(1) +
     nb of ``TL`` (see ``attention.TIMELINE_FIELDS``: SM, entry, after the wait, end; field 4 = 1 for
     a program with an expert group; field 5: its group known). ``GROUP_TABLE``: program (g, 0) also
     writes group g's row of ``GT`` (``_write_group_row``) for the wide Down. ``E_WORDS``: see
-    ``_expert_group``.
-
-    ``DOWN`` (``gu_down``): the program also computes its I-slice of the group's Down projection.
-    Its BLOCK_N activations (the E4M3 codes just encoded, exact in FP16 / BF16, times their pair's
-    scale) against the Down weight's columns [nb BLOCK_N, (nb + 1) BLOCK_N) of every output row
-    (``W2`` + expert stride_w2e + nb stride_w2s + h stride_w2h + c: the checkpoint's [E, H, I] or the
-    sliced [E, I / BLOCK_N, H, BLOCK_N] layout), DOWN_TILE output rows per step, give the FP32
-    partial YP[nb, pair, :]; the reduce sums the I / BLOCK_N partials of each pair. No Down launch,
-    no wait for the whole Gate/Up grid. ``DOWN_RELEASE``: the dependent (the reduce) is released
-    before the slice's loop."""
+    ``_expert_group``."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
     prog = g * tl.num_programs(1) + nb
@@ -461,25 +439,6 @@ def _moe_gate_up_kernel(
         tl.store(ACT_SCALE + pair * stride_asm + nb, scale, mask=row_ok)
         if TIMELINE:
             tl.store(TL + prog.to(tl.int64) * _TL_FIELDS + 4, 1)
-        if DOWN:
-            if DOWN_RELEASE:
-                gdc_launch_dependents()
-            # the codes as the product's operand: E4M3 values are exact in FP16 and BF16
-            a_t = tl.trans(bits.to(tl.float8e4nv, bitcast=True).to(op_ty))       # [BLOCK_N, BLOCK_M]
-            kb2 = (nb * BLOCK_N) // 128
-            c_ok = n_ok
-            offs_c = tl.arange(0, BLOCK_N)
-            w2_base = W2 + expert.to(tl.int64) * stride_w2e + nb * stride_w2s
-            s2_base = S2 + expert * stride_s2e + kb2 * stride_s2k
-            y_base = YP + nb * stride_yp + pair[None, :] * stride_ym
-            for h0 in tl.range(0, H, DOWN_TILE, num_stages=DOWN_STAGES):
-                offs_h = h0 + tl.arange(0, DOWN_TILE)
-                h_ok = offs_h < H
-                wt = tl.load(w2_base + offs_h[:, None] * stride_w2h + offs_c[None, :],
-                             mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-                st = tl.load(s2_base + (offs_h // 128) * stride_s2n, mask=h_ok, other=0.0)
-                yt = tl.dot(wt.to(op_ty), a_t) * st[:, None] * scale[None, :]
-                tl.store(y_base + offs_h[:, None], yt, mask=h_ok[:, None] & row_ok[None, :])
     _stamp(TL, prog, 3, TIMELINE)
 
 
@@ -612,10 +571,7 @@ def _moe_down_wide_kernel(
 def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om, stride_r, eps,
                        H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
                        NORM: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1, NORM_BUG: tl.constexpr = False,
-                       WEIGHT_FIRST: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
-                       N_PART: tl.constexpr = 1, stride_yp=0):
-    # N_PART > 1 (``gu_down``): Y holds N_PART partials [N_PART, P, H] of each pair (the Down's I-slices),
-    # summed in slice order before the routing weight.
+                       WEIGHT_FIRST: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0):
     # It does not release the next kernel early (session 14, call 6: the chain of early launches then
     # reached the next layer's attention while the Down ran, and the step was 4 % slower).
     if NORM:
@@ -634,10 +590,7 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
     acc = tl.zeros([BLOCK_H], tl.float32)
     for k in tl.static_range(TOPK):
         wk = tl.load(TW + r * stride_tw + k).to(tl.float32)
-        yk = tl.load(Y + (r * TOPK + k) * stride_ym + offs, mask=ok, other=0.0)
-        for j in tl.static_range(1, N_PART):
-            yk += tl.load(Y + j * stride_yp + (r * TOPK + k) * stride_ym + offs, mask=ok, other=0.0)
-        acc += wk * yk
+        acc += wk * tl.load(Y + (r * TOPK + k) * stride_ym + offs, mask=ok, other=0.0)
     if NORM:   # RES += m (m rounded to BF16 first, as the separate add + norm kernel reads it) ...
         m = acc.to(tl.bfloat16).to(tl.float32)
         res_ptr = RES + r * stride_r + offs
@@ -866,30 +819,14 @@ def _check_inputs(x, topk_ids, topk_weights, w13, s13, w2, s2):
 
 def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, scale_bug=False, f16=None,
                     block_n=GU_BLOCK_N, pdl=False, unroll=None, wait=False, no_wait=False, tl_buf=None,
-                    weights_a=False, maxnreg=None, table=None, e_words=0, block_k=None, carveout=None,
-                    down=None):
+                    weights_a=False, maxnreg=None, table=None, e_words=0, block_k=None, carveout=None):
     """v1 Gate/Up + SiLU * mul + E4M3 activations (one launch); ``block_k``: H per K step (128, the
     weight scale block, or 64: each scale applies to two steps); ``weights_a``: the weights as the
     MMA's A operand (at most 8 rows); ``tl_buf``: timeline records (diagnostics); ``table``: the
     group table it also writes (int32 [grid(0), GT_COLS]) for the wide Down; ``carveout``: the
     preferred shared-memory carveout in percent (-1: the driver's default; None: GU_CARVEOUT at the
-    default stages); ``down`` = (w2 view, s2, partials, tile, stages, release): the Down's I-slice in
-    each program (``gu_down``; the view: [E, H, I] or ``slice_down_weights``' [E, I / block_n, H,
-    block_n]; partials FP32 [I / block_n, P, H])."""
+    default stages)."""
     grid = (min(P, w13.shape[0]), triton.cdiv(w13.shape[1] // 2, block_n))
-    if down is not None:
-        w2v, s2, yp, tile, dstages, release = down
-        if w2v.dim() == 3:   # the checkpoint's [E, H, I]: slice nb starts nb * block_n columns in
-            w2_strides = (w2v.stride(0), block_n, w2v.stride(1))
-        else:
-            w2_strides = (w2v.stride(0), w2v.stride(1), w2v.stride(2))
-        down_kw = dict(W2=w2v, S2=s2, YP=yp, stride_w2e=w2_strides[0],
-                       stride_w2s=w2_strides[1], stride_w2h=w2_strides[2], stride_s2e=s2.stride(0),
-                       stride_s2n=s2.stride(1), stride_s2k=s2.stride(2), stride_yp=yp.stride(0),
-                       stride_ym=yp.stride(1), DOWN=True, DOWN_TILE=tile, DOWN_STAGES=dstages,
-                       DOWN_RELEASE=release)
-    else:
-        down_kw = {}
     H = x.shape[1]
     bk = int(block_k or GU_BLOCK_K)
     stages = num_stages or GU_NUM_STAGES
@@ -911,7 +848,7 @@ def _launch_gate_up(x, ids, w13, s13, act, act_scale, P, *, num_stages=None, sca
         WAIT=wait and not no_wait,
         WEIGHTS_A=weights_a, TL=act_scale if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None,
         GT=act_scale if table is None else table, GROUP_TABLE=table is not None, E_WORDS=e_words,
-        num_warps=GU_NUM_WARPS, num_stages=stages, **down_kw,
+        num_warps=GU_NUM_WARPS, num_stages=stages,
         **({"launch_pdl": True} if wait else {}),
         **({} if _interpreting() or not maxnreg else dict(maxnreg=maxnreg))),
         pct, _GU_FUNCTIONS)
@@ -955,16 +892,12 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
 
 
 def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None,
-                   tl_buf=None, tl_base=0, n_part=1):
+                   tl_buf=None, tl_base=0):
     """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch). ``norm`` = (residual, weight, eps,
     counter): instead residual += that sum (rounded to BF16) and out = RMSNorm(residual) * weight,
     computed by each row's last program (``counter``: int32 zeros, at least w, left zero). Every program
-    loads the norm weight before its wait (``weight_first``, default norm.WEIGHT_FIRST). ``n_part``: y
-    is [n_part, P, H], each pair's partials summed first (``gu_down``)."""
+    loads the norm weight before its wait (``weight_first``, default norm.WEIGHT_FIRST)."""
     w, H = out.shape
-    yp = y
-    if y.dim() == 3:
-        y = y[0]
     block_h = block_h or RED_BLOCK_H
     if norm is not None:
         res, wt, eps, cnt = norm
@@ -977,19 +910,8 @@ def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=F
         NORM_BUG=bool(norm_bug), num_warps=RED_NORM_NUM_WARPS if norm is not None else 4,
         WEIGHT_FIRST=norm is not None and _norm.resolve_weight_first(weight_first),
         TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
-        N_PART=n_part, stride_yp=yp.stride(0) if yp.dim() == 3 else 0,
         **({"launch_pdl": True} if pdl else {}),
     )
-
-
-def slice_down_weights(w2, block_n=None):
-    """The Down weight [E, H, I] as contiguous I-slices [E, I / block_n, H, block_n] (``gu_down``'s
-    ``w2_sliced``: each Gate/Up program then streams one contiguous block instead of block_n bytes of
-    every row). A copy; ``block_n`` (default GU_BLOCK_N) must be the plan's Gate/Up width."""
-    bn = int(block_n or GU_BLOCK_N)
-    E, H, I = w2.shape
-    check(I % bn == 0, f"I = {I} is not a multiple of {bn}")
-    return w2.view(E, H, I // bn, bn).permute(0, 2, 1, 3).contiguous()
 
 
 def _launch_gate_up_v2(x, ids, w13, s13, gpart, cnt, groups, act, act_scale, P, *, split_k,
@@ -1052,8 +974,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
              _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
-             group_table=None, group_bits=None, gu_block_k=None, gu_carveout=None, gu_down=None,
-             w2_sliced=None, gu_down_tile=None, gu_down_stages=None, _slice_bug=False):
+             group_table=None, group_bits=None, gu_block_k=None, gu_carveout=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -1123,16 +1044,6 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                      else torch.empty(shape, device=dev, dtype=torch.int32))
         check(pf >= 0 and (red_block_h is None or red_block_h in (128, 256, 512, 1024, 2048)),
               "down_prefetch >= 0; red_block_h: a power of two in [128, 2048]")
-        if GU_DOWN if gu_down is None else bool(gu_down):
-            return out, _gu_down_steps(x, ids, tw, w13, s13, w2, s2, out, act, act_scale, P, bn, use_pdl, ew,
-                                       gwa, w2_sliced, gu_down_tile, gu_down_stages, _slice_bug, dict(
-                                           num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
-                                           unroll=gu_unroll, no_wait=_gu_no_wait, maxnreg=gu_maxnreg,
-                                           block_k=gu_block_k, carveout=gu_carveout,
-                                           wait=use_pdl and (gu_pdl is None or bool(gu_pdl))),
-                                       dict(block_h=red_block_h, norm=norm, norm_bug=_norm_bug,
-                                            weight_first=norm_weight_first), _timeline)
-        check(w2_sliced is None and not _slice_bug, "w2_sliced / _slice_bug: gu_down only")
         steps = [
             ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P,
                                                 num_stages=gu_num_stages, scale_bug=_scale_bug, f16=gu_f16,
@@ -1178,28 +1089,6 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                                 drop_split=_drop_split)),
     ]
     return out, steps
-
-
-def _gu_down_steps(x, ids, tw, w13, s13, w2, s2, out, act, act_scale, P, bn, use_pdl, ew, gwa, w2_sliced,
-                   tile, stages, slice_bug, gu_kw, red_kw, timeline):
-    """``gu_down``'s two launches: the Gate/Up with each program's I-slice of the Down, then the reduce
-    over the slices' partials (``_slice_bug``, the tests' negative control: the last slice left out)."""
-    E, H, I = w2.shape
-    n_part = triton.cdiv(I, bn)
-    check(timeline is None, "_timeline: not with gu_down")
-    tile = int(tile or GU_DOWN_TILE)
-    check(tile in (16, 32, 64, 128, 256), "gu_down_tile: a power of two in [16, 256]")
-    if w2_sliced is not None:
-        check(w2_sliced.shape == (E, n_part, H, bn) and w2_sliced.dtype == w2.dtype and w2_sliced.is_contiguous(),
-              f"w2_sliced: slice_down_weights(w2, {bn}), shape {(E, n_part, H, bn)}")
-    yp = torch.empty((n_part, P, H), device=x.device, dtype=torch.float32)
-    down = (w2 if w2_sliced is None else w2_sliced, s2, yp, tile, int(stages or GU_DOWN_STAGES), use_pdl)
-    return [
-        ("gate_up", lambda: _launch_gate_up(x, ids, w13, s13, act, act_scale, P, block_n=bn, pdl=False,
-                                            weights_a=gwa, e_words=ew, down=down, **gu_kw)),
-        ("reduce", lambda: _launch_reduce(yp, tw, out, pdl=use_pdl, n_part=n_part - int(bool(slice_bug)),
-                                          **red_kw)),
-    ]
 
 
 def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **options):

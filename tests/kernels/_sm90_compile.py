@@ -176,10 +176,6 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                                 gu_weights_a=gwa, down_weights_a=dwa)
             for bn in (16, 64):                                 # other Gate/Up widths
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, gu_block_n=bn)
-            for tile, st, sliced in ((None, None, False), (64, 4, True)):   # the Down's I-slices in Gate/Up
-                M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, _scale_bug=bug, pdl=True,
-                                gu_down=True, gu_down_tile=tile, gu_down_stages=st, _slice_bug=bug,
-                                w2_sliced=M.slice_down_weights(w2) if sliced else None)
             for first in (True, False):                         # + add + norm (its weight before the wait)
                 M.fused_moe_fp8(x, ids, torch.ones(w, 8), w13, s13, w2, s2, pdl=True, _norm_bug=bug,
                                 norm=(x.clone(), torch.ones(H).to(bf), 1e-6, torch.zeros(8, dtype=torch.int32)),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 42's device calls: bash experiments/results/kernels_s42/call.sh callN, with STEPS (any of gtest
+# Session 42's device calls (the stepab variants moe_gu_down* and the ab_moe configs gu_down* live in
+# rejected/gu_down_8a2f93e.diff): bash experiments/results/kernels_s42/call.sh callN, with STEPS (any of gtest
 # abmoe stepab bench) and GTESTS (pytest arguments), ABMCONF / DISTINCT / ABMROUNDS (ab_moe.py), STEPAB /
 # STEPCTX (bench_step.py --ab), ONLY (bench_kernels --no-sweep) and the *TIMEOUT variables in the
 # environment. Writes under $OUT/callN: rev.txt, one log per step, steps.txt, results.tgz.
