@@ -67,7 +67,7 @@ CONFIGS = {
     "bits_ranked": dict(group_bits=True, group_table=False),
     # the Down ranking the ids itself and L2-prefetching its first N weight tiles (128 rows x I each)
     # before its wait (down_prefetch; session 11 measured 2 / 4 / 8 slower, before the Down's programs
-    # could share an SM with the Gate/Up's: session 28's carveout and 4 x 2 Down)
+    # could share an SM with the Gate/Up's: session 28's carveout and 4 x 2 Down; session 42: no gain either)
     **{f"ranked_pf{n}": dict(group_table=False, down_prefetch=n) for n in (1, 2, 4)},
 }
 

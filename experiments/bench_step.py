@@ -565,10 +565,10 @@ AB_VARIANTS = {
     "moe_down_st2": lambda rnd: _moe_opts(rnd, down_nb=6, down_num_stages=2),
     "moe_dnb4_st2": lambda rnd: _moe_opts(rnd, down_nb=4, down_num_stages=2),
     "moe_dnb6_st3": lambda rnd: _moe_opts(rnd, down_nb=6, down_num_stages=3),
-    # the wide Down's expert group read from the Gate/Up's table / ranked from the ids (group_table)
     # the Down ranking the ids itself (no group table) and L2-prefetching its first N weight tiles before
-    # its wait (ab_moe's ranked_pf{N})
+    # its wait (ab_moe's ranked_pf{N}; session 42: no gain)
     **{f"moe_ranked_pf{n}": (lambda rnd, n=n: _moe_opts(rnd, group_table=False, down_prefetch=n)) for n in (1, 2, 4)},
+    # the wide Down's expert group read from the Gate/Up's table / ranked from the ids (group_table)
     "moe_group_table": lambda rnd: _moe_opts(rnd, group_table=True),
     "moe_group_ranked": lambda rnd: _moe_opts(rnd, group_table=False),
     **{f"moe_gt_dnb{n}": (lambda rnd, n=n: _moe_opts(rnd, group_table=True, down_nb=n)) for n in (4, 8)},
