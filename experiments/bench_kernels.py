@@ -44,6 +44,7 @@ import argparse
 import itertools
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -708,15 +709,73 @@ def bench_sampler(copy_bw, l2, sweep):
 
 
 # ------------------------------------------------------------------------------------- main
+BENCHES = ("attention", "moe", "norm", "rope", "router", "sampler", "uniform", "linear")
+# Test hook: after the kernel named here the script sends itself SIGTERM (what `timeout` sends), so that
+# the tests can check the interrupted path deterministically. Unset in every real run.
+_TERM_AFTER_ENV = "BENCH_KERNELS_SIGTERM_AFTER"
+
+
+class _Terminated(Exception):
+    """SIGTERM (e.g. from `timeout`) turned into an exception, so the run's rows are saved."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def parse_only(text: str) -> list[str]:
+    """--only's comma-separated kernel names, in the order given; unknown or repeated names are an error."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown or not names:
+        raise ValueError(f"unknown kernel(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(BENCHES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a kernel named twice in {text!r}")
+    return names
+
+
+def _report(rows: list[dict], env: dict, copy_bw: float, copy_bw2: float | None, status: str) -> None:
+    """The short table, the attention lines, the goals (and the figures with $OUT) of the rows so far."""
+    end = f" (end of run: {copy_bw2 / 1e12:.3f})" if copy_bw2 else ""
+    print(f"\ncopy bandwidth {copy_bw / 1e12:.3f} TB/s{end}")
+    if status != "complete":
+        print(kernel_report.partial_line(env))
+    print(f"{'kernel':9s} {'shape':30s} {'variant':22s} {'graph_us':>9s} {'frac':>6s} "
+          f"{'eager_us':>9s} {'ref_us':>9s} {'ref_frac':>8s} {'MB':>8s}")
+    for r in rows:
+        print(f"{r['kernel']:9s} {r['shape']:30s} {r['variant']:22s} {r['graph_us']:9.2f} "
+              f"{r['frac']:6.3f} {r.get('eager_us', float('nan')):9.2f} "
+              f"{r.get('ref_us', float('nan')):9.1f} {r.get('ref_frac', float('nan')):8.4f} "
+              f"{r['bytes'] / 1e6:8.2f}")
+    for line in (kernel_report.attention_lines(rows, copy_bw) + kernel_report.model_lines(rows, copy_bw)
+                 + kernel_report.torch_lines(rows)):
+        print(line)
+    print(kernel_report.goal_summary(kernel_report.goal_checks(rows)))
+    out = os.environ.get("OUT")
+    if out and rows:
+        print("figures: " + ", ".join(kernel_report.write_figures(rows, env, out)))
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants")
-    ap.add_argument("--only", default="attention,moe,norm,rope,router,sampler,uniform,linear")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="A full run with --no-sweep takes about 2.5 minutes on the H200; the sweep's\n"
+                                        "variants add several more. $OUT is rewritten after each kernel, and on\n"
+                                        "Ctrl-C or SIGTERM (e.g. from `timeout`) the rows measured so far are saved\n"
+                                        "and reported, marked partial (env.status, env.kernels_done; exit status\n"
+                                        "130 / 143). `kernel_report.py $OUT` re-reads a saved run.")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tuning variants: the defaults, references "
+                                                            "and probes only")
+    ap.add_argument("--only", default=",".join(BENCHES), metavar="K1,K2",
+                    help=f"the kernels to time, in this order (default: all: {','.join(BENCHES)})")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy shapes (script check)")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip torch's own attentions (SDPA's fused backends, compiled flex_attention) beside "
                          "every full-cache shape (flex compiles once per shape: ~1 min in all)")
     args = ap.parse_args()
+    try:
+        only = parse_only(args.only)
+    except ValueError as e:
+        ap.error(f"--only: {e}")
     sweep = not args.no_sweep
     TORCH_ROWS[0] = not args.no_torch
     if DRY_RUN:
@@ -726,38 +785,39 @@ def main():
         A_SMS[0], l2, name = props.multi_processor_count, getattr(props, "L2_cache_size", 50 * 2**20), props.name
     env = dict(device=name, sms=A_SMS[0], l2_bytes=l2,
                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-               time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+               time=time.strftime("%Y-%m-%dT%H:%M:%S"), kernels=only, kernels_done=[], sweep=sweep,
+               status="running")
     print("env", env, flush=True)
     copy_bw, copy_t = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (2 GiB copy, read+write, {copy_t * 1e3:.3f} ms)",
           flush=True)
+    env.update(copy_bw=copy_bw)
     benches = dict(attention=bench_attention, moe=bench_moe, norm=bench_norm, rope=bench_rope,
                    router=bench_router, sampler=bench_sampler, uniform=bench_uniform, linear=bench_linear)
-    t0 = time.time()
-    for name in args.only.split(","):
-        t = time.time()
-        benches[name](copy_bw, l2, sweep)
-        print(f"[{name} done in {time.time() - t:.1f}s]", flush=True)
-    copy_bw2, _ = copy_bandwidth()
-    env.update(copy_bw=copy_bw, copy_bw_end=copy_bw2, wall_s=time.time() - t0)
-
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    t0, copy_bw2, status = time.time(), None, "complete"
+    try:
+        for name in only:
+            t = time.time()
+            benches[name](copy_bw, l2, sweep)
+            env["kernels_done"].append(name)
+            env["wall_s"] = time.time() - t0
+            write_results("bench_kernels", dict(env=env), ROWS)   # kept if a later kernel is interrupted
+            print(f"[{name} done in {time.time() - t:.1f}s]", flush=True)
+            if os.environ.get(_TERM_AFTER_ENV) == name:
+                os.kill(os.getpid(), signal.SIGTERM)
+        copy_bw2, _ = copy_bandwidth()
+    except (KeyboardInterrupt, _Terminated) as e:
+        status = f"interrupted by {'SIGTERM' if isinstance(e, _Terminated) else 'Ctrl-C'} after " \
+                 f"{time.time() - t0:.0f} s"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    env.update(copy_bw_end=copy_bw2, wall_s=time.time() - t0, status=status)
+    # Rows of a kernel cut off midway are kept: each row is complete in itself.
     write_results("bench_kernels", dict(env=env), ROWS)
-
-    print(f"\ncopy bandwidth {copy_bw / 1e12:.3f} TB/s (end of run: {copy_bw2 / 1e12:.3f})")
-    print(f"{'kernel':9s} {'shape':30s} {'variant':22s} {'graph_us':>9s} {'frac':>6s} "
-          f"{'eager_us':>9s} {'ref_us':>9s} {'ref_frac':>8s} {'MB':>8s}")
-    for r in ROWS:
-        print(f"{r['kernel']:9s} {r['shape']:30s} {r['variant']:22s} {r['graph_us']:9.2f} "
-              f"{r['frac']:6.3f} {r.get('eager_us', float('nan')):9.2f} "
-              f"{r.get('ref_us', float('nan')):9.1f} {r.get('ref_frac', float('nan')):8.4f} "
-              f"{r['bytes'] / 1e6:8.2f}")
-    for line in (kernel_report.attention_lines(ROWS, copy_bw) + kernel_report.model_lines(ROWS, copy_bw)
-                 + kernel_report.torch_lines(ROWS)):
-        print(line)
-    print(kernel_report.goal_summary(kernel_report.goal_checks(ROWS)))
-    out = os.environ.get("OUT")
-    if out:
-        print("figures: " + ", ".join(kernel_report.write_figures(ROWS, env, out)))
+    _report(ROWS, env, copy_bw, copy_bw2, status)
+    if status != "complete":
+        sys.exit(143 if "SIGTERM" in status else 130)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,14 @@ def load(path: str, name: str = "bench_kernels") -> tuple[dict, list[dict], str]
     return payload, rows, f
 
 
+def partial_line(env: dict) -> str:
+    """What a bench_kernels run that did not complete (env.status) measured and did not."""
+    done = env.get("kernels_done", [])
+    missing = [k for k in env.get("kernels", []) if k not in done]
+    return (f"PARTIAL RUN ({env.get('status')}): kernels measured: {', '.join(done) or 'none'}; not measured: "
+            f"{', '.join(missing) or 'none'}. The goals below are those of the measured rows only.")
+
+
 def _defaults(rows):
     return [r for r in rows if r.get("variant") == "default"]
 
@@ -800,6 +808,8 @@ def _kernels_report(args) -> tuple[int, str, list[str]]:
     payload, rows, f = load(args.kernels)
     env = payload["env"]
     print(f"{f}: {len(rows)} rows; {_title(env)}")
+    if env.get("status", "complete") != "complete":   # bench_kernels saves a run cut off midway
+        print(partial_line(env))
     for line in attention_lines(rows, env["copy_bw"]) + model_lines(rows, env["copy_bw"]) + torch_lines(rows):
         print(line)
     if args.ab:
