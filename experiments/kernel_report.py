@@ -106,8 +106,9 @@ def partial_line(env: dict) -> str:
     """What a bench_kernels run that did not complete (env.status) measured and did not."""
     done = env.get("kernels_done", [])
     missing = [k for k in env.get("kernels", []) if k not in done]
-    return (f"PARTIAL RUN ({env.get('status')}): kernels measured: {', '.join(done) or 'none'}; not measured: "
-            f"{', '.join(missing) or 'none'}. The goals below are those of the measured rows only.")
+    return (f"PARTIAL RUN ({env.get('status')}): kernels finished: {', '.join(done) or 'none'}; not finished: "
+            f"{', '.join(missing) or 'none'} (the first of them may have some rows). The goals below are those "
+            "of the measured rows only.")
 
 
 def _defaults(rows):
