@@ -530,6 +530,10 @@ AB_VARIANTS = {
     # the pre-MoE add + RMSNorm as its own launch between the output projection and the router
     # (FastModel.fuse_router_norm, session 25: the projection adds, the router normalises)
     "router_norm_apart": lambda rnd: _model_variant(rnd, fuse_router_norm=False),
+    # the routing folded into the output projection (kernels.routing=folded, DESIGN.md "Kernels": the
+    # projection's epilogue writes FP32 router-logit partials, route_folded sums them and routes) instead
+    # of the router's own product of the rounded h (route_topk(norm=)); other numerics (near ties)
+    "routing_folded": lambda rnd: _model_variant(rnd, kernels=dataclasses.replace(rnd.model.kernels, routing="folded")),
     # the router with n warps per program (router.NUM_WARPS; fused with the norm, NORM_NUM_WARPS)
     **{f"router_w{n}": (lambda rnd, n=n: _router(rnd, num_warps=n)) for n in (2, 4, 8, 16)},
     # the norm apart, its router with n warps

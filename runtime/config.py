@@ -171,6 +171,9 @@ class DebugConfig:
 
 KERNEL_PIECES = ("attention", "moe", "norm", "sampler", "linear")
 KERNEL_CHOICES = ("fast", "reference")
+# kernels.routing: the logits of the BF16-rounded h (Model.route's contract) | folded into the output
+# projection (DESIGN.md "Kernels": FP32 partials of the unrounded RMSNorm(r) * weight; other numerics)
+ROUTING_CHOICES = ("rounded", "folded")
 
 
 def _frozen(v):
@@ -201,6 +204,7 @@ class KernelsConfig:
     norm: str = "fast"
     sampler: str = "fast"
     linear: str = "fast"       # the decode passes' Q/K/V and output projections
+    routing: str = "rounded"   # rounded | folded (ROUTING_CHOICES; folded needs attention, linear, norm, moe fast)
     attention_options: dict = field(default_factory=dict)
     moe_options: dict = field(default_factory=dict)
     sampler_options: dict = field(default_factory=dict)
@@ -225,6 +229,13 @@ class KernelsConfig:
             v = getattr(self, piece)
             if v not in KERNEL_CHOICES:
                 p.append(f"kernels.{piece} must be fast|reference, got {v!r}")
+        if self.routing not in ROUTING_CHOICES:
+            p.append(f"kernels.routing must be rounded|folded, got {self.routing!r}")
+        elif self.routing == "folded":
+            apart = [k for k in ("attention", "linear", "norm", "moe") if getattr(self, k) != "fast"]
+            if apart:
+                p.append(f"kernels.routing=folded folds the router into the fast output projection and router; "
+                         f"it needs kernels.{'/'.join(apart)}=fast")
         for f in OPTION_FIELDS:
             v = getattr(self, f)
             if not isinstance(v, dict):

@@ -23,6 +23,9 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
                                                (fuse_router_norm: the projection does the add and
                                                per-block sums of squares, the router the norm and
                                                writes h and h16: one launch fewer)
+                                               (kernels.routing=folded: the projection's epilogue also
+                                               writes FP32 router-logit partials of the unrounded h,
+                                               route_folded sums them and routes: other numerics)
     m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
     h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only); with
                                                fuse_moe_norm the MoE's reduce does this add + norm
@@ -216,6 +219,10 @@ class FastModel(Model):
             raise ValueError(f"broken={broken!r} breaks the {_BROKEN_PIECE[broken]} kernel, which "
                              f"kernels.{_BROKEN_PIECE[broken]}=reference does not run")
         self.broken = broken
+        if kernels.routing == "folded" and self._has_peers():
+            raise ConfigError("kernels.routing=folded needs the whole residual on this rank (the output "
+                              "projection's sum over ranks comes first); under real tensor parallelism set "
+                              "kernels.routing=rounded")
         # The pass's glue in the kernels: RoPE's tables in one launch per pass (rope_tables), a ring's
         # slots computed inside rope_kv_write, norms without a zero residual tensor, the embedding
         # gather inside the norm after it, and the round's state updates (Round's take_draft and settle
@@ -378,13 +385,15 @@ class FastModel(Model):
 
     # ---- decode-mode pieces on the kernels ----------------------------------------------------------
     def _proj(self, x: torch.Tensor, w: torch.Tensor, partials: bool = False,
-              residual: tuple | None = None) -> torch.Tensor:
+              residual: tuple | None = None, fold: tuple | None = None) -> torch.Tensor:
         """x @ w^T (BF16): skinny_linear with kernels.linear=fast, torch matmul otherwise.
         ``partials``: skinny_linear's split-K partials (FP32 [S, R, N]) where it splits K.
-        ``residual`` = (r, ssq) (fast only): r += x @ w^T and its per-block sums of squares instead."""
+        ``residual`` = (r, ssq) (fast only): r += x @ w^T and its per-block sums of squares instead;
+        ``fold`` = (router, norm weight, pl): also the router-logit partials (kernels.routing=folded)."""
         if self.kernels.linear == "reference":
             return x @ w.T
-        return _linear.skinny_linear(x, w, counter=self._linear_counter, partials=partials, residual=residual)
+        return _linear.skinny_linear(x, w, counter=self._linear_counter, partials=partials, residual=residual,
+                                     fold=fold)
 
     def _proj_qkv(self, x: torch.Tensor, w: torch.Tensor) -> dict:
         """The fused Q/K/V projection as rope_kv_write's input: {"qkv": BF16 [T, N]}, or with
@@ -401,10 +410,10 @@ class FastModel(Model):
                 and rows <= _router.BLOCK_T and not self._has_peers())
 
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
-                        cache: KVCache, tab, residual: tuple | None = None) -> torch.Tensor:
+                        cache: KVCache, tab, residual: tuple | None = None, fold: tuple | None = None) -> torch.Tensor:
         """The attention block of h; with ``residual`` = (r, ssq) (``_router_norm_fusable``), the
         output projection adds its result to r itself and writes ssq (skinny_linear(residual=));
-        returns r then."""
+        returns r then. ``fold``: skinny_linear's fold= (kernels.routing=folded)."""
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
@@ -444,7 +453,7 @@ class FastModel(Model):
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
         # (with residual, out is r += o @ Wo^T: under rank emulation the all-reduce it stands in for is
         # counted on r, a tensor of the output's shape and dtype)
-        out = self._proj(o.view(T, nh * d), lw.wo, residual=residual)
+        out = self._proj(o.view(T, nh * d), lw.wo, residual=residual, fold=fold)
         return self.comm.all_reduce(out) if sh.tp_size > 1 else out
 
     def _moe_norm_fusable(self) -> bool:
@@ -504,9 +513,19 @@ class FastModel(Model):
             ssq = torch.empty(r.shape[0], _linear.ssq_blocks(wo.shape[0], wo.shape[1], r.device),
                               dtype=torch.float32, device=r.device)
             h_mid = torch.empty_like(r)
+        folded = fuse_rn and self.kernels.routing == "folded"
+        if folded:   # the output projection's router-logit partials (route_folded sums them)
+            E = layers[0].router.shape[0]
+            pl = torch.empty(_linear.fold_shape(wo.shape[0], wo.shape[1], E, r.device), dtype=torch.float32,
+                             device=r.device)
         for i, (lw, c) in enumerate(zip(layers, caches)):
             routed = None
-            if fuse_rn:   # r += attention in the projection; h = norm(r) and the routing in the router
+            if folded:   # r += attention and the router's partial products in the projection
+                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), fold=(lw.router, lw.ln2, pl))
+                h = h_mid
+                routed = _router.route_folded(pl, ssq, E, self.cfg.num_experts_per_tok, (r, lw.ln2, eps, h, h16),
+                                              pdl=self.moe_pdl)
+            elif fuse_rn:   # r += attention in the projection; h = norm(r) and the routing in the router
                 self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq))
                 h = h_mid
                 routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok,

@@ -44,6 +44,7 @@ NUM_WARPS = 4
 PDL = True          # programmatic dependent launch (session 14, q1 step A/B: 1.2-2.0 % of the step)
 PREFETCH = False    # the weight tile asked of L2 before the wait (session 14: the step 0.6-1.2 % slower)
 MAX_ROWS = BLOCK_M
+FOLD_ROWS = 16      # rows per column block in ``fold``'s router-logit partials (MAX_ROWS; the live ones written)
 # With ``partials`` (the consumer, rope_kv_write(qkv_parts=), sums the split-K slices) the plan drops the
 # last arriver's cost and takes at most this many slices. An empirical cap, not a modelled cost: in the
 # q1 step (H200, session 24 call 8, Q/K/V tilings against 32 columns x 4 slices) 64 x 8 measured
@@ -65,15 +66,37 @@ WEIGHTS_A = True
 
 
 @triton.jit
-def _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, NB, y_ty, BUG: tl.constexpr):
+def _fold_tiles(WR, WG, offs_n, stride_wr, E, E_POW2: tl.constexpr):
+    """``fold=``: this column block's router rows [E_POW2, BLOCK_N] (BF16, zero past E) and norm
+    weight [BLOCK_N] (FP32): weights, so they may be loaded before the wait."""
+    offs_e = tl.arange(0, E_POW2)
+    wr = tl.load(WR + offs_e[:, None] * stride_wr + offs_n[None, :], mask=(offs_e < E)[:, None], other=0.0)
+    return wr, tl.load(WG + offs_n).to(tl.float32)
+
+
+@triton.jit
+def _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, NB, y_ty, BUG: tl.constexpr,
+                       FOLD: tl.constexpr = False, wr=None, wg=None, PL=None, E=0, E_POW2: tl.constexpr = 16,
+                       PL_ROWS: tl.constexpr = 16, FOLD_BUG: tl.constexpr = False):
     """``residual=``: y = acc rounded to ``y_ty`` (the BF16 output the add + RMSNorm would read), the
     residual block r = res + y rounded to the residual's dtype and stored back (``fused_add_rmsnorm``'s
     add, the same two roundings), and each row's sum of squares of the stored r over the block into
-    SSQ[row, pn] (FP32; NB blocks per row). BUG (negative control): the sum taken over y, not r."""
+    SSQ[row, pn] (FP32; NB blocks per row). BUG (negative control): the sum taken over y, not r.
+
+    FOLD (``fold=``): also the block's router-logit partials PL[pn, row, e] = sum over the block's
+    columns c of r[row, c] * wg[c] * wr[e, c] (FP32; r x wg rounded to TF32 for the tensor cores,
+    the router rows exact in it), the pre-MoE RMSNorm's numerator without its per-row scale.
+    FOLD_BUG (negative control): the norm weight left out."""
     y = acc.to(y_ty).to(tl.float32)
     r = (res.to(tl.float32) + y).to(res.dtype)
     tl.store(res_ptrs, r, mask=m_ok[:, None])
     rf = r.to(tl.float32)
+    if FOLD:
+        rg = rf if FOLD_BUG else rf * wg[None, :]
+        pl_t = tl.dot(wr.to(tl.float32), tl.trans(rg), input_precision="tf32")   # [E_POW2, rows]
+        offs_e = tl.arange(0, E_POW2)
+        tl.store(PL + pn * (PL_ROWS * E_POW2) + offs_m[None, :] * E_POW2 + offs_e[:, None], pl_t,
+                 mask=m_ok[None, :] & (offs_e < E)[:, None])
     if BUG:
         rf = y
     tl.store(SSQ + offs_m * NB + pn, tl.sum(rf * rf, 1), mask=m_ok)
@@ -86,7 +109,9 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
                    DROP_BUG: tl.constexpr = False, NO_WAIT: tl.constexpr = False, WEIGHTS_A: tl.constexpr = False,
                    FINALIZE: tl.constexpr = True, RES=None, SSQ=None, stride_r=0,
-                   RESID: tl.constexpr = False, RESID_BUG: tl.constexpr = False):
+                   RESID: tl.constexpr = False, RESID_BUG: tl.constexpr = False,
+                   WR=None, WG=None, PL=None, stride_wr=0, E=0, E_POW2: tl.constexpr = 16,
+                   PL_ROWS: tl.constexpr = 16, FOLD: tl.constexpr = False, FOLD_BUG: tl.constexpr = False):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,6 +122,10 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
         for c in range(0, BLOCK_N * LINES, PF_CHUNK):
             idx = tl.minimum(c + tl.arange(0, PF_CHUNK), BLOCK_N * LINES - 1)
             prefetch_l2(W + (pn * BLOCK_N + idx // LINES).to(tl.int64) * stride_w + k0 + (idx % LINES) * 64)
+    wr = None
+    wg = None
+    if FOLD and SPLIT_K == 1:   # the block's router rows and norm weight before the wait
+        wr, wg = _fold_tiles(WR, WG, offs_n, stride_wr, E, E_POW2)
     if PDL:
         gdc_launch_dependents()
         if not NO_WAIT:   # (NO_WAIT: negative control of the tests)
@@ -126,7 +155,7 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
     if SPLIT_K == 1:
         if RESID:
             _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, N // BLOCK_N, Y.dtype.element_ty,
-                               RESID_BUG)
+                               RESID_BUG, FOLD, wr, wg, PL, E, E_POW2, PL_ROWS, FOLD_BUG)
         else:
             tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
     else:
@@ -141,8 +170,11 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
             for s in tl.static_range(SPLIT_K):   # slice order: deterministic
                 tot += tl.load(part + s * (BLOCK_M * N), cache_modifier=".cg")
             if RESID:
+                if FOLD:   # (only the last arriver needs them)
+                    wr, wg = _fold_tiles(WR, WG, offs_n, stride_wr, E, E_POW2)
                 _residual_epilogue(tot, tl.load(res_ptrs, mask=m_ok[:, None], other=0.0), res_ptrs, SSQ, offs_m,
-                                   m_ok, pn, N // BLOCK_N, Y.dtype.element_ty, RESID_BUG)
+                                   m_ok, pn, N // BLOCK_N, Y.dtype.element_ty, RESID_BUG, FOLD, wr, wg, PL, E,
+                                   E_POW2, PL_ROWS, FOLD_BUG)
             else:
                 tl.store(y_ptrs, tot.to(Y.dtype.element_ty), mask=m_ok[:, None])
             tl.atomic_xchg(CNT + pn, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
@@ -190,7 +222,7 @@ def plan(N: int, K: int, sms: int, partials: bool = False) -> tuple[int, int]:
 
 def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, pdl=None, prefetch=None,
                   num_stages=None, block_k=None, num_warps=None, weights_a=None, partials=False, residual=None,
-                  _drop_bug=False, _poison=False, _no_wait=False, _resid_bug=False):
+                  fold=None, _drop_bug=False, _poison=False, _no_wait=False, _resid_bug=False, _fold_bug=False):
     """y = x @ w^T in BF16 (FP32 accumulation) for x [M, K] BF16 (M <= 16) and w [N, K] BF16.
 
     ``out`` [M, N] BF16 to write into (row stride free). ``block_n`` / ``split_k``: the tiling
@@ -214,6 +246,12 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     over each column block into ssq (FP32, block order = column order), from which a consumer
     normalises any slice (``router.route_topk(norm=)``: the pre-MoE add + RMSNorm without a launch of
     its own). Returns res. ``ssq_blocks(N, K, device)`` gives ssq's width for the default tiling.
+    ``fold`` = (router [E, N] BF16, norm weight [N], pl FP32 [N / block_n, FOLD_ROWS, E_pow2]), with
+    ``residual`` only: the epilogue also writes the router-logit partials of the routing folded into
+    the projection (``router.route_folded``): pl[b, m, e] = sum over column block b of res[m, c] *
+    weight[c] * router[e, c] (FP32, the products' r x weight in TF32), i.e. the router's product with
+    RMSNorm(res) * weight before the per-row scale. ``fold_shape(N, K, E, device)`` gives pl's shape
+    for the default tiling. ``_fold_bug``: its negative control (the norm weight left out).
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests', as is ``_resid_bug`` (the sums of squares taken over y instead of res + y)."""
@@ -239,6 +277,18 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
               "residual: res [M, N] BF16 with contiguous rows on x's device")
         check(ssq.shape == (M, n_blocks) and ssq.dtype == torch.float32 and ssq.is_contiguous()
               and ssq.device == dev, f"residual: ssq [M, {n_blocks}] FP32, contiguous, on x's device")
+    fold_kw = {}
+    if fold is not None:
+        check(residual is not None, "fold= needs residual=: the partials are of the stored residual")
+        wr, wg, pl = fold
+        check(wr.dim() == 2 and wr.shape[1] == N and wr.dtype == torch.bfloat16 and wr.stride(1) == 1
+              and wr.device == dev and 1 <= wr.shape[0] <= 1024, f"fold: router [E, {N}] BF16 (E <= 1024), rows contiguous")
+        check(wg.shape == (N,) and wg.stride(0) == 1 and wg.device == dev, f"fold: norm weight [{N}]")
+        e_pow2 = max(16, next_pow2(wr.shape[0]))
+        check(tuple(pl.shape) == (n_blocks, FOLD_ROWS, e_pow2) and pl.dtype == torch.float32 and pl.is_contiguous()
+              and pl.device == dev, f"fold: pl FP32 [{n_blocks}, {FOLD_ROWS}, {e_pow2}], contiguous")
+        fold_kw = dict(WR=wr, WG=wg, PL=pl, stride_wr=wr.stride(0), E=wr.shape[0], E_POW2=e_pow2,
+                       PL_ROWS=FOLD_ROWS, FOLD=True, FOLD_BUG=bool(_fold_bug))
     fin = not (partials and split_k > 1)
     if split_k > 1 and fin:
         if counter is None:
@@ -269,7 +319,7 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
         num_stages=NUM_STAGES if num_stages is None else int(num_stages), FINALIZE=fin,
         **(dict(RES=residual[0], SSQ=residual[1], stride_r=residual[0].stride(0), RESID=True,
                 RESID_BUG=bool(_resid_bug)) if residual is not None else {}),
-        **({"launch_pdl": True} if use_pdl else {}),
+        **fold_kw, **({"launch_pdl": True} if use_pdl else {}),
     )
     if residual is not None:
         return residual[0]
@@ -283,6 +333,12 @@ def ssq_blocks(N: int, K: int, device) -> int:
     """Column blocks of an [N, K] weight under the default tiling on ``device``: the width of
     ``skinny_linear(residual=)``'s ssq."""
     return N // plan(N, K, device_sm_count(device))[0]
+
+
+def fold_shape(N: int, K: int, E: int, device) -> tuple[int, int, int]:
+    """The shape of ``skinny_linear(fold=)``'s router-logit partials for an [N, K] weight under the
+    default tiling on ``device`` and E experts."""
+    return ssq_blocks(N, K, device), FOLD_ROWS, max(16, next_pow2(E))
 
 
 def sum_partials(parts: torch.Tensor) -> torch.Tensor:

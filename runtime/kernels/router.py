@@ -159,31 +159,84 @@ def _router_kernel(X, R, PART, CNT, IDS, WTS, stride_x, stride_r, stride_ids, st
         for s in tl.static_range(SPLIT_H):
             logits += tl.load(PART + s * (BLOCK_T * E_POW2) + offs_t[:, None] * E_POW2 + offs_a[None, :],
                               mask=t_ok[:, None] & (offs_a < E)[None, :], other=0.0, cache_modifier=".cg")
-        # the sampler's int64 keys: order-preserving bits of the value (+ 0.0: -0 and +0 tie), then the
-        # index inverted, so that one max picks the largest value and, among equal ones, the lower
-        # index (ORDER_BUG, negative control: the index not inverted, the higher first)
-        keys = _keys(logits + 0.0, offs_a[None, :])
-        if ORDER_BUG:
-            keys = keys ^ 0x7FFFFFFF
-        keys = tl.where((offs_a < E)[None, :], keys, _KEY_MIN)
-        offs_k = tl.arange(0, K)
-        top = tl.full([BLOCK_T, K], _KEY_MIN, tl.int64)
-        for j in tl.static_range(K):   # K max-reductions (keys are distinct)
-            m = tl.max(keys, 1)
-            top = tl.where(offs_k[None, :] == j, m[:, None], top)
-            keys = tl.where(keys == m[:, None], _KEY_MIN, keys)
-        ids = (top & 0x7FFFFFFF).to(tl.int32)
-        if not ORDER_BUG:
-            ids = 0x7FFFFFFF - ids
-        vb = (top >> 32).to(tl.int32)
-        vb = tl.where(vb < 0, vb ^ 0x7FFFFFFF, vb)
-        val = vb.to(tl.float32, bitcast=True)
-        p = tl.exp(val - tl.max(val, 1)[:, None])
-        wts = p / tl.sum(p, 1)[:, None]
-        ok = t_ok[:, None]
-        tl.store(IDS + offs_t[:, None] * stride_ids + offs_k[None, :], ids, mask=ok)
-        tl.store(WTS + offs_t[:, None] * stride_w + offs_k[None, :], wts, mask=ok)
+        _topk_store(logits, offs_t, t_ok, IDS, WTS, stride_ids, stride_w, E, K, BLOCK_T, E_POW2, ORDER_BUG)
         tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
+
+
+@triton.jit
+def _topk_store(logits, offs_t, t_ok, IDS, WTS, stride_ids, stride_w, E, K: tl.constexpr, ROWS: tl.constexpr,
+                E_POW2: tl.constexpr, ORDER_BUG: tl.constexpr):
+    """Rows offs_t (live where t_ok) of logits [ROWS, E_POW2] (experts past E ignored): the ids of the
+    K largest (largest first; among equal logits the lower index first) into IDS, softmax over them
+    into WTS."""
+    offs_a = tl.arange(0, E_POW2)
+    # the sampler's int64 keys: order-preserving bits of the value (+ 0.0: -0 and +0 tie), then the
+    # index inverted, so that one max picks the largest value and, among equal ones, the lower
+    # index (ORDER_BUG, negative control: the index not inverted, the higher first)
+    keys = _keys(logits + 0.0, offs_a[None, :])
+    if ORDER_BUG:
+        keys = keys ^ 0x7FFFFFFF
+    keys = tl.where((offs_a < E)[None, :], keys, _KEY_MIN)
+    offs_k = tl.arange(0, K)
+    top = tl.full([ROWS, K], _KEY_MIN, tl.int64)
+    for j in tl.static_range(K):   # K max-reductions (keys are distinct)
+        m = tl.max(keys, 1)
+        top = tl.where(offs_k[None, :] == j, m[:, None], top)
+        keys = tl.where(keys == m[:, None], _KEY_MIN, keys)
+    ids = (top & 0x7FFFFFFF).to(tl.int32)
+    if not ORDER_BUG:
+        ids = 0x7FFFFFFF - ids
+    vb = (top >> 32).to(tl.int32)
+    vb = tl.where(vb < 0, vb ^ 0x7FFFFFFF, vb)
+    val = vb.to(tl.float32, bitcast=True)
+    p = tl.exp(val - tl.max(val, 1)[:, None])
+    wts = p / tl.sum(p, 1)[:, None]
+    ok = t_ok[:, None]
+    tl.store(IDS + offs_t[:, None] * stride_ids + offs_k[None, :], ids, mask=ok)
+    tl.store(WTS + offs_t[:, None] * stride_w + offs_k[None, :], wts, mask=ok)
+
+
+@triton.jit(launch_metadata=launch_signature)
+def _route_folded_kernel(PL, SSQ, RES, WT, OUT, OUT16, IDS, WTS, stride_res, stride_out, stride_o16, stride_ids,
+                         stride_w, eps, T, H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
+                         NB_POW2: tl.constexpr, PL_ROWS: tl.constexpr, E_POW2: tl.constexpr, NS: tl.constexpr,
+                         NS_POW2: tl.constexpr, HS: tl.constexpr, HS_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
+                         HAS16: tl.constexpr, PDL: tl.constexpr, ORDER_BUG: tl.constexpr = False,
+                         SCALE_BUG: tl.constexpr = False):
+    """Programs 0 .. T-1: row p's logits = rsqrt(sum of squares / H + eps) x the sum over the NB column
+    blocks of the projection's partials PL[b, p, :] (a fixed tree order), its top K and their softmax.
+    Programs T ..: one H slice each of h = RMSNorm(res) * weight (and h16), as ``route_topk(norm=)``
+    writes it. SCALE_BUG (negative control): the per-row scale left out."""
+    p = tl.program_id(0)
+    # a norm program's slice of the norm weight before the wait (a weight: no predecessor writes it;
+    # masked off in the routing programs)
+    kk = (p - T) * HS + tl.arange(0, HS_POW2)
+    k_ok = (kk < H) & (p >= T)
+    wt = load_weight(WT, kk, k_ok)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()   # the projection's residual, sums of squares and partials from here
+    if p < T:
+        offs_s = tl.arange(0, NS_POW2)
+        ss = tl.sum(tl.load(SSQ + p * NS + offs_s, mask=offs_s < NS, other=0.0), 0)
+        offs_b = tl.arange(0, NB_POW2)
+        offs_e = tl.arange(0, E_POW2)
+        part = tl.load(PL + offs_b[:, None] * (PL_ROWS * E_POW2) + p * E_POW2 + offs_e[None, :],
+                       mask=(offs_b < NB)[:, None] & (offs_e < E)[None, :], other=0.0)
+        logits = tl.sum(part, 0)
+        if not SCALE_BUG:
+            logits = logits * tl.math.rsqrt(ss / H + eps)
+        row = p + tl.arange(0, 1)
+        _topk_store(logits[None, :], row, row < T, IDS, WTS, stride_ids, stride_w, E, K, 1, E_POW2, ORDER_BUG)
+    else:
+        offs_t = tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        offs_s = tl.arange(0, NS_POW2)
+        ssv = tl.load(SSQ + offs_t[:, None] * NS + offs_s[None, :], mask=t_ok[:, None] & (offs_s < NS)[None, :],
+                      other=0.0)
+        res = _tile(RES, offs_t, t_ok, stride_res, kk, k_ok)
+        _norm_tile(res, offs_t, t_ok, kk, k_ok, tl.sum(ssv, 1), wt, OUT, stride_out, OUT16, stride_o16, eps, True,
+                   H, HAS16)
 
 
 def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, pdl=None, weights_first=None,
@@ -253,6 +306,63 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
         H=H, E=E, K=k, HS=hs, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT_H=split,
         E_POW2=e_pow2, ORDER_BUG=bool(_order_bug), PDL=use_pdl, WEIGHTS_FIRST=first,
         HS_POW2=hs_pow2 if first else 0, num_warps=int(num_warps or (NUM_WARPS if norm is None else NORM_NUM_WARPS)), **extra,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return ids, weights
+
+
+FOLD_SLICE = 512   # route_folded: H columns of h per norm program (12 programs at q1's H = 6,144)
+FOLD_NUM_WARPS = 4
+
+
+def route_folded(pl, ssq, experts, k, norm, *, ids=None, weights=None, pdl=None, slice_h=None, num_warps=None,
+                 _order_bug=False, _scale_bug=False):
+    """(ids [T, k] int32, weights [T, k] FP32) of the routing folded into the output projection
+    (DESIGN.md, "routing folded into the attention tail"): ``pl`` = the router-logit partials that
+    ``skinny_linear(residual=(res, ssq), fold=(router, weight, pl))`` wrote, ``ssq`` its per-block
+    sums of squares, ``experts`` the router's row count E, ``norm`` = (res [T, H] BF16, weight [H], eps, out [T, H] BF16, out16 [T, H] FP16
+    or None) as ``route_topk(norm=)``'s.
+
+    logits[t] = rsqrt(sum(ssq[t]) / H + eps) * sum_b pl[b, t]: the router's product with
+    RMSNorm(res) * weight in FP32, without rounding h to BF16 first. So this is *not* ``Model.route``'s
+    contract (FP32 logits of the BF16-rounded h): the logits differ from it by about one BF16 rounding
+    of h, and near ties may pick other experts (tests/kernels/test_router_fold.py measures how often).
+    One launch: T programs route one row each (after one wait; no arrival counter), the others write
+    h and h16 (``slice_h`` columns each, default FOLD_SLICE) for the MoE. ``pdl``: programmatic
+    dependent launch of the projection (default PDL). ``_order_bug`` / ``_scale_bug``: negative
+    controls (equal logits in the wrong order; the per-row scale left out)."""
+    res, nw, eps, out, out16 = norm
+    T, H = res.shape
+    check(res.dtype == torch.bfloat16 and res.stride(1) == 1 and 1 <= T <= BLOCK_T, f"norm: res [T <= {BLOCK_T}, H] BF16")
+    check(pl.dim() == 3 and pl.dtype == torch.float32 and pl.is_contiguous() and pl.shape[1] >= T
+          and pl.shape[2] >= 16 and pl.shape[2] & (pl.shape[2] - 1) == 0, "pl: FP32 [blocks, rows >= T, E_pow2]")
+    check(ssq.dim() == 2 and ssq.shape[0] == T and ssq.dtype == torch.float32 and ssq.is_contiguous(),
+          "ssq [T, S] FP32, contiguous")
+    check(nw.shape == (H,) and nw.stride(0) == 1, "norm: weight [H]")
+    check(out.shape == (T, H) and out.dtype == torch.bfloat16 and out.stride(1) == 1, "norm: out [T, H] BF16")
+    check(out16 is None or (out16.shape == (T, H) and out16.dtype == torch.float16 and out16.stride(1) == 1),
+          "norm: out16 [T, H] FP16")
+    E = int(experts)
+    e_pow2 = pl.shape[2]
+    check(k >= 1 and k & (k - 1) == 0 and k <= E and e_pow2 == max(16, next_pow2(E)),
+          "k a power of two <= experts; pl's last dimension max(16, the experts' power of two)")
+    dev = res.device
+    if ids is None:
+        ids = torch.empty((T, k), dtype=torch.int32, device=dev)
+    if weights is None:
+        weights = torch.empty((T, k), dtype=torch.float32, device=dev)
+    check(ids.shape == (T, k) and ids.dtype == torch.int32 and ids.stride(1) == 1, "ids [T, k] int32")
+    check(weights.shape == (T, k) and weights.dtype == torch.float32 and weights.stride(1) == 1, "weights [T, k] fp32")
+    hs = int(slice_h or FOLD_SLICE)
+    check(hs >= 16 and hs & (hs - 1) == 0, "slice_h: a power of two >= 16")
+    use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
+    n_b = pl.shape[0]
+    _route_folded_kernel[(T + triton.cdiv(H, hs),)](
+        pl, ssq, res, nw, out, out16 if out16 is not None else out, ids, weights, res.stride(0), out.stride(0),
+        out16.stride(0) if out16 is not None else 0, ids.stride(0), weights.stride(0), float(eps), T,
+        H=H, E=E, K=k, NB=n_b, NB_POW2=next_pow2(n_b), PL_ROWS=pl.shape[1], E_POW2=e_pow2, NS=ssq.shape[1],
+        NS_POW2=next_pow2(ssq.shape[1]), HS=hs, HS_POW2=hs, BLOCK_T=BLOCK_T, HAS16=out16 is not None, PDL=use_pdl,
+        ORDER_BUG=bool(_order_bug), SCALE_BUG=bool(_scale_bug), num_warps=int(num_warps or FOLD_NUM_WARPS),
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return ids, weights

@@ -61,6 +61,7 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_linear_kernel", "PDL", "griddepcontrol.launch_dependents"),
              ("_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait"),
              ("_router_kernel", "PDL", "griddepcontrol.wait"),
+             ("_route_folded_kernel", "PDL", "griddepcontrol.wait"),
              ("_moe_gate_up_kernel", "WAIT", "griddepcontrol.wait"),
              ("_attn_split_v2_kernel", "TMA", "cp.async.bulk.tensor"),
              ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait"),
@@ -244,6 +245,13 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                 RT.route_topk(None, torch.randn(E, H).to(bf), 8, weights_first=first, _norm_bug=bug, num_warps=nw,
                               norm=(res, ssq, torch.randn(H).to(bf), 1e-6, torch.empty(T, H).to(bf),
                                     torch.empty(T, H).half() if h16 else None))
+            # the routing folded into the projection (kernels.routing=folded), and its controls
+            pl = torch.empty(H // bn, LN.FOLD_ROWS, max(16, E))
+            LN.skinny_linear(torch.randn(T, K).to(bf), torch.randn(H, K).to(bf), block_n=bn, split_k=sk,
+                             residual=(res, ssq), fold=(torch.randn(E, H).to(bf), torch.randn(H).to(bf), pl),
+                             _fold_bug=bug)
+            RT.route_folded(pl, ssq, E, 8, (res, torch.randn(H).to(bf), 1e-6, torch.empty(T, H).to(bf),
+                                            torch.empty(T, H).half()), _scale_bug=bug, _order_bug=bug)
     for seed in (torch.tensor(3), 5):                                # the round's uniforms
         U.uniform(seed, torch.arange(7), 2)
     U.uniform(3, torch.arange(7), 2, _bug=True)
