@@ -24,8 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import HAS_CUDA, cpu_only, load_kernels
-from .test_router_norm import EPS, H_TOL, MINI, Q1, _h_err, _inputs, _route_norm
+from .conftest import cpu_only, load_kernels
+from .test_router_norm import EPS, H_TOL, MINI, Q1, _h_err, _inputs, _route_norm, graph_replays
 
 K_TOP = 8
 
@@ -183,21 +183,7 @@ def test_gpu_fold_graph_replays():
         L.skinny_linear(x, wo, counter=lcnt, residual=(r, ssq), fold=(rw, nw, pl))
         R.route_folded(pl, ssq, Q1["E"], K_TOP, (r, nw, EPS, h, h16), ids=ids, weights=wts)
 
-    calls()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    for seed in range(3):
-        x2, _, res2, _, _ = _inputs(Q1, 6, 100 + seed)
-        x.copy_(x2)
-        r.copy_(res2)
-        want = (res2.float() + L.skinny_linear(x2, wo).float()).to(torch.bfloat16)
-        for t in (h, h16, ssq, pl, wts):
-            t.fill_(float("nan"))
-        ids.fill_(-1)
-        g.replay()
-        torch.cuda.synchronize()
+    for want in graph_replays(L, calls, x, wo, r, (h, h16, ssq, pl, wts), ids):
         assert torch.equal(r, want)
         assert _h_err(r, nw, h) < H_TOL and torch.equal(h16, h.to(torch.float16))
         _check_folded(r, nw, rw, ids, wts)

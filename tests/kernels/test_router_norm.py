@@ -114,6 +114,28 @@ def _check_router(L, R, N, shape, T, seed, with16=True, split_h=None):
     assert (h_bad != h_apart).float().mean().item() > 0.25
 
 
+def graph_replays(L, calls, x, wo, r, poisoned, ids):
+    """Captures ``calls`` (eager once first) in a CUDA graph, then for 3 new q1 inputs copied into x and
+    r, with ``poisoned`` filled with NaN and ids with -1, replays it and yields the residual the
+    projection must leave in r (res + x @ wo^T, rounded as the fused add rounds it)."""
+    calls()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    for seed in range(3):
+        x2, _, res2, _, _ = _inputs(Q1, 6, 100 + seed)
+        x.copy_(x2)
+        r.copy_(res2)
+        want = (res2.float() + L.skinny_linear(x2, wo).float()).to(torch.bfloat16)
+        for t in poisoned:
+            t.fill_(float("nan"))
+        ids.fill_(-1)
+        g.replay()
+        torch.cuda.synchronize()
+        yield want
+
+
 # ----------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 6, 8])
@@ -153,21 +175,7 @@ def test_gpu_graph_replays():
         L.skinny_linear(x, wo, counter=lcnt, residual=(r, ssq))
         R.route_topk(None, rw, 8, counter=cnt, ids=ids, weights=wts, norm=(r, ssq, nw, EPS, h, h16))
 
-    calls()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    for seed in range(3):
-        x2, _, res2, _, _ = _inputs(Q1, 6, 100 + seed)
-        x.copy_(x2)
-        r.copy_(res2)
-        want = (res2.float() + L.skinny_linear(x2, wo).float()).to(torch.bfloat16)
-        for t in (h, h16, ssq):
-            t.fill_(float("nan"))
-        ids.fill_(-1)
-        g.replay()
-        torch.cuda.synchronize()
+    for want in graph_replays(L, calls, x, wo, r, (h, h16, ssq), ids):
         assert int(cnt.item()) == 0 and int(lcnt.abs().sum().item()) == 0
         assert torch.equal(r, want)
         assert _h_err(r, nw, h) < H_TOL and torch.equal(h16, h.to(torch.float16))
