@@ -171,9 +171,11 @@ class DebugConfig:
 
 KERNEL_PIECES = ("attention", "moe", "norm", "sampler", "linear")
 KERNEL_CHOICES = ("fast", "reference")
-# kernels.routing: the logits of the BF16-rounded h (Model.route's contract) | folded into the output
-# projection (DESIGN.md "Kernels": FP32 partials of the unrounded RMSNorm(r) * weight; other numerics)
-ROUTING_CHOICES = ("rounded", "folded")
+# kernels.routing: folded into the output projection (DESIGN.md "Kernels": FP32 router-logit partials of
+# the unrounded RMSNorm(r) * weight; the default since session 44) wherever the pass can fold it (fast
+# attention, linear, norm and MoE kernels on one rank), else rounded | rounded: the logits of the
+# BF16-rounded h everywhere (Model.route's contract)
+ROUTING_CHOICES = ("folded", "rounded")
 
 
 def _frozen(v):
@@ -204,7 +206,7 @@ class KernelsConfig:
     norm: str = "fast"
     sampler: str = "fast"
     linear: str = "fast"       # the decode passes' Q/K/V and output projections
-    routing: str = "rounded"   # rounded | folded (ROUTING_CHOICES; folded needs attention, linear, norm, moe fast)
+    routing: str = "folded"    # folded | rounded (ROUTING_CHOICES)
     attention_options: dict = field(default_factory=dict)
     moe_options: dict = field(default_factory=dict)
     sampler_options: dict = field(default_factory=dict)
@@ -230,12 +232,7 @@ class KernelsConfig:
             if v not in KERNEL_CHOICES:
                 p.append(f"kernels.{piece} must be fast|reference, got {v!r}")
         if self.routing not in ROUTING_CHOICES:
-            p.append(f"kernels.routing must be rounded|folded, got {self.routing!r}")
-        elif self.routing == "folded":
-            apart = [k for k in ("attention", "linear", "norm", "moe") if getattr(self, k) != "fast"]
-            if apart:
-                p.append(f"kernels.routing=folded folds the router into the fast output projection and router; "
-                         f"it needs kernels.{'/'.join(apart)}=fast")
+            p.append(f"kernels.routing must be folded|rounded, got {self.routing!r}")
         for f in OPTION_FIELDS:
             v = getattr(self, f)
             if not isinstance(v, dict):

@@ -23,9 +23,11 @@ Decode pass, per target layer (the residual stream ``r`` is BF16; ``h`` is the n
                                                (fuse_router_norm: the projection does the add and
                                                per-block sums of squares, the router the norm and
                                                writes h and h16: one launch fewer)
-                                               (kernels.routing=folded: the projection's epilogue also
-                                               writes FP32 router-logit partials of the unrounded h,
-                                               route_folded sums them and routes: other numerics)
+                                               (kernels.routing=folded, the default: the projection's
+                                               epilogue also writes FP32 router-logit partials of the
+                                               unrounded h, route_folded sums them, routes and writes h
+                                               and h16: other numerics, near ties may differ; where
+                                               fuse_router_norm does not apply, rounded)
     m    = fused_moe_fp8(h16, ids, weights, w13, s13, w2, s2)   the same values as h, no per-tile cast
     h    = fused_add_rmsnorm(m, r, ln1 of the next layer)   (the last layer: r += m only); with
                                                fuse_moe_norm the MoE's reduce does this add + norm
@@ -219,10 +221,6 @@ class FastModel(Model):
             raise ValueError(f"broken={broken!r} breaks the {_BROKEN_PIECE[broken]} kernel, which "
                              f"kernels.{_BROKEN_PIECE[broken]}=reference does not run")
         self.broken = broken
-        if kernels.routing == "folded" and self._has_peers():
-            raise ConfigError("kernels.routing=folded needs the whole residual on this rank (the output "
-                              "projection's sum over ranks comes first); under real tensor parallelism set "
-                              "kernels.routing=rounded")
         # The pass's glue in the kernels: RoPE's tables in one launch per pass (rope_tables), a ring's
         # slots computed inside rope_kv_write, norms without a zero residual tensor, the embedding
         # gather inside the norm after it, and the round's state updates (Round's take_draft and settle

@@ -372,11 +372,10 @@ def test_kernels_config_is_validated():
         runtime_config_from_dict({"backend": "fast", "kernels": {"moe_options": {"_scale_bug": True}}})
     with pytest.raises(ConfigError, match="must be a mapping"):
         runtime_config_from_dict({"backend": "fast", "kernels": {"attention_options": "fused"}})
-    with pytest.raises(ConfigError, match=r"kernels.routing must be rounded\|folded"):
+    with pytest.raises(ConfigError, match=r"kernels.routing must be folded\|rounded"):
         runtime_config_from_dict({"backend": "fast", "kernels": {"routing": "bf16"}})
-    with pytest.raises(ConfigError, match="routing=folded .* needs kernels.linear=fast"):
-        runtime_config_from_dict({"backend": "fast", "kernels": {"routing": "folded", "linear": "reference"}})
-    assert runtime_config_from_dict({"backend": "fast", "kernels": {"routing": "folded"}}).kernels.routing == "folded"
+    assert runtime_config_from_dict({"backend": "fast"}).kernels.routing == "folded"      # the default
+    assert runtime_config_from_dict({"backend": "fast", "kernels": {"routing": "rounded"}}).kernels.routing == "rounded"
     rt = runtime_config_from_dict({"backend": "fast", "kernels": {"moe": "reference",
                                                                   "attention_options": {"num_splits": 3}}})
     assert rt.kernels.moe == "reference" and rt.kernels.attention_options == {"num_splits": 3}
@@ -758,11 +757,11 @@ def test_q1_mini_folded_routing_qualification(mini_pair):
     model's verify logits within LOGITS_BOUND of the reference."""
     from runtime.engine import Engine
 
-    ref, fast = mini_pair
-    folded = Engine.build("q1-mini", {"device": "cuda", "backend": "fast", "dtype": "bfloat16",
-                                      "kernels": {"routing": "folded"},
-                                      "draft": {"policy": "fixed", "fixed_depth": 5}})
-    assert folded.model.kernels.routing == "folded"
+    ref, folded = mini_pair
+    fast = Engine.build("q1-mini", {"device": "cuda", "backend": "fast", "dtype": "bfloat16",
+                                    "kernels": {"routing": "rounded"},
+                                    "draft": {"policy": "fixed", "fixed_depth": 5}})
+    assert folded.model.kernels.routing == "folded" and fast.model.kernels.routing == "rounded"
     prompt = code_prompt(6)
     rows = {}
     for name, eng in (("rounded", fast), ("folded", folded)):
@@ -1214,15 +1213,16 @@ def test_interpreted_router_norm_fused_close_logits(tiny_restored):
                    lambda *a, **k: (seen.__setitem__("add_norm", seen["add_norm"] + 1), real_norm(*a, **k))[1])
         out = {}
         n = t["cfg"].num_layers
-        for on in (False, True):
-            fm = FastModel.from_model(t["bf16"])
+        for on in (False, True):   # (the rounded routing: route_topk(norm=) is its router)
+            fm = FastModel.from_model(t["bf16"], kernels=kernels_cfg(routing="rounded"))
             fm.fuse_router_norm = on
             seen.update(norm=0, residual=0, add_norm=0)
             out[on] = verify_logits(fm, t["cache"], t["st"], 8).float()
             assert seen == ({"norm": n, "residual": n, "add_norm": 0} if on
                             else {"norm": 0, "residual": 0, "add_norm": n}), (on, seen)
         mp.setattr(fastmod._router, "route_topk", lambda *a, **k: real_route(*a, _norm_bug="norm" in k, **k))
-        out["broken"] = verify_logits(FastModel.from_model(t["bf16"]), t["cache"], t["st"], 8).float()
+        out["broken"] = verify_logits(FastModel.from_model(t["bf16"], kernels=kernels_cfg(routing="rounded")),
+                                      t["cache"], t["st"], 8).float()
     scale = out[False].abs().max()
     close = (out[True] - out[False]).abs().max() / scale
     far = (out["broken"] - out[False]).abs().max() / scale

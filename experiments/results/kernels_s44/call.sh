@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 44's device call (the routing folded into the output projection, kernels.routing=folded):
 # bash experiments/results/kernels_s44/call.sh callN, with STEPS (any of gtest stepab qual paired bench), GTESTS
-# (pytest arguments), PN / PBUDGET (the paired replay: requests, tokens), STEPAB / STEPCTX / STEPBUDGET (bench_step.py --ab), ONLY (bench_kernels --no-sweep)
+# (pytest arguments), PN / PBUDGET / PARMS (the paired replay: requests, tokens, the arms' settings; call 3 ran
+# PARMS=candidate.runtime.kernels.routing=folded while rounded was the default: the same comparison), STEPAB / STEPCTX / STEPBUDGET (bench_step.py --ab), ONLY (bench_kernels --no-sweep)
 # and the *TIMEOUT variables in the environment. Writes under $OUT/callN: rev.txt, one log per step,
 # steps.txt, results.tgz.
 set -u
@@ -22,7 +23,7 @@ for s in ${STEPS:-gtest stepab}; do
             tests/test_fast_backend.py::test_q1_mini_folded_routing_qualification > "$c/qual.log" 2>&1 ;;
     paired) export IQUESTRT_HOME=/tmp/iq   # (traces: .carry/traces, built here: the GPU host has no Hydra)
             timeout ${PTIMEOUT:-380} python3 -m replay.paired control=WORKTREE candidate=WORKTREE runtime.backend=fast \
-              runtime.dtype=bfloat16 runtime.device=cuda candidate.runtime.kernels.routing=folded \
+              runtime.dtype=bfloat16 runtime.device=cuda ${PARMS:-control.runtime.kernels.routing=rounded} \
               requests.n=${PN:-32} requests.select=spread max_new_tokens=${PBUDGET:-128} snapshots.auto_capture=true \
               traces.store=$PWD/.carry/traces progress=false RUN_DIR=$c/run > "$c/paired.log" 2>&1 ;;
     bench) OUT=$c/bench PYTHONUNBUFFERED=1 timeout ${BENCHTIMEOUT:-300} python3 experiments/bench_kernels.py --no-sweep \
