@@ -609,6 +609,57 @@ def bench_router(copy_bw, l2, sweep):
                          ("no_pdl_weights_after", dict(pdl=False, weights_first=False))):
             record("router", f"E{E}_H{H}_w{w}", name, router_calls(**kw), nbytes, copy_bw, eager=False)
         del data, r32
+    bench_oproj_routing(copy_bw, l2)
+
+
+def bench_oproj_routing(copy_bw, l2, w=6, eps=1e-6):
+    """The output projection and the routing as the step runs them (session 44), at the q1 rank
+    (768 -> 6144, E = 128), w = 6: the pair's time per call. ``default`` (kernels.routing=folded): the
+    projection adds to the residual, writes the sums of squares and the router-logit partials
+    (``skinny_linear(residual=, fold=)``), ``route_folded`` routes and writes h / h16; ``rounded``: the
+    same projection without the partials, then ``route_topk(norm=)`` (the default until session 44).
+    Reference: torch's sequence (the projection, the add, RMSNorm, the FP32 router product of the
+    rounded h, topk, softmax). Bytes: both weights, the norm weight, x, the residual read and
+    written, h and h16 written."""
+    H, E = MOE["H"], MOE["E"]
+    K = 768 if not DRY_RUN else 256
+    sets = n_sets((H * K + E * H) * 2, l2, cap=64)
+    bf = torch.bfloat16
+    data = [dict(x=torch.randn(w, K, device=DEV).to(bf), wo=(torch.randn(H, K, device=DEV) / math.sqrt(K)).to(bf),
+                 r=torch.randn(w, H, device=DEV).to(bf), ln=(1 + 0.2 * torch.randn(H, device=DEV)).to(bf),
+                 rw=(torch.randn(E, H, device=DEV) / math.sqrt(H)).to(bf)) for _ in range(sets)]
+    for d in data:
+        d["rw32"] = d["rw"].float()
+    nb, rows, ep = LN.fold_shape(H, K, E, DEV)
+    ssq = torch.empty(w, nb, device=DEV)
+    pl = torch.empty(nb, rows, ep, device=DEV)
+    h, h16 = torch.empty(w, H, device=DEV, dtype=bf), torch.empty(w, H, device=DEV, dtype=torch.float16)
+    ids, wts = torch.empty(w, 8, dtype=torch.int32, device=DEV), torch.empty(w, 8, device=DEV)
+    lcnt = torch.zeros(H // 16, dtype=torch.int32, device=DEV)
+    cnt = torch.zeros(1, dtype=torch.int32, device=DEV)
+    nbytes = (H * K + E * H + H) * 2 + w * K * 2 + 2 * w * H * 2 + w * H * 4 + w * 8 * 8
+
+    def folded(d):
+        LN.skinny_linear(d["x"], d["wo"], counter=lcnt, residual=(d["r"], ssq), fold=(d["rw"], d["ln"], pl))
+        RT.route_folded(pl, ssq, E, 8, (d["r"], d["ln"], eps, h, h16), ids=ids, weights=wts)
+
+    def rounded(d):
+        LN.skinny_linear(d["x"], d["wo"], counter=lcnt, residual=(d["r"], ssq))
+        RT.route_topk(None, d["rw"], 8, counter=cnt, ids=ids, weights=wts, norm=(d["r"], ssq, d["ln"], eps, h, h16))
+
+    def torch_seq(d):   # (in place on a copy: the reference's arithmetic, its own residual)
+        r = (d["r"].float() + (d["x"] @ d["wo"].T).float()).to(bf)
+        rf = r.float()
+        hh = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * d["ln"].float()).to(bf)
+        top, i = (hh.float() @ d["rw32"].T).topk(8, dim=-1)
+        return i, torch.softmax(top, dim=-1)
+
+    shape = f"oproj_route_E{E}_H{H}_w{w}"
+    ref = [(lambda d=d: torch_seq(d)) for d in data]
+    record("router", shape, "default", [(lambda d=d: folded(d)) for d in data], nbytes, copy_bw, ref_calls=ref[:4])
+    record("router", shape, "rounded", [(lambda d=d: rounded(d)) for d in data], nbytes, copy_bw)
+    record("router", shape, "torch_in_graph", ref, nbytes, copy_bw, eager=False)
+    del data
 
 
 # ----------------------------------------------------------------------------------- linear
