@@ -25,7 +25,13 @@ updated (``linear.skinny_linear(residual=)``) and the per-column-block sums of s
 slices of h (BF16) and h16 (FP16) for the MoE. The norm weight's slice is loaded before the wait with
 the router's. One launch (the norm's) fewer per layer.
 
-Same contract as ``Model.route`` (FP32 logits of the BF16-rounded input; ids of the top k; weights
+``route_folded`` (``kernels.routing=folded``, the fast backend's default since session 44) is the routing
+folded into the output projection: ``linear.skinny_linear(fold=)`` writes per column block the router's
+product with the residual times the norm weight, and one launch sums those partials per row, scales them
+by the row's RMS, selects the top k (``_topk_store``, shared with ``_router_kernel``) and writes h / h16.
+Its logits are those of the unrounded normalised input, not ``Model.route``'s (see there).
+
+``route_topk``: same contract as ``Model.route`` (FP32 logits of the BF16-rounded input; ids of the top k; weights
 renormalised over them). The logits are summed in a different order than cuBLAS's, so they differ
 from the reference's in the last bits: ids agree except where two logits are that close (a near
 tie), which the tests check explicitly. Assumption: calls sharing a counter buffer do not overlap
