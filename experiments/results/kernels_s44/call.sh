@@ -3,7 +3,8 @@
 # bash experiments/results/kernels_s44/call.sh callN, with STEPS (any of gtest stepab qual paired bench), GTESTS
 # (pytest arguments), PN / PBUDGET / PARMS (the paired replay: requests, tokens, the arms' settings; call 3 ran
 # PARMS=candidate.runtime.kernels.routing=folded while rounded was the default: the same comparison), STEPAB / STEPCTX / STEPBUDGET (bench_step.py --ab), ONLY (bench_kernels --no-sweep)
-# and the *TIMEOUT variables in the environment. Writes under $OUT/callN: rev.txt, one log per step,
+# and the *TIMEOUT variables in the environment. (Calls 1-4 ran with rounded the default and STEPAB's default
+# routing_folded; since the flip the default arm is folded and STEPAB's default routing_rounded.) Writes under $OUT/callN: rev.txt, one log per step,
 # steps.txt, results.tgz.
 set -u
 c=$OUT/$1; mkdir -p "$c"
@@ -17,7 +18,7 @@ for s in ${STEPS:-gtest stepab}; do
                tests/kernels/test_linear.py tests/test_fast_backend.py} > "$c/gtest.log" 2>&1 ;;
     stepab) OUT=$c/step PYTHONUNBUFFERED=1 timeout ${STEPTIMEOUT:-300} python3 experiments/bench_step.py \
               --budget-s ${STEPBUDGET:-200} --no-mini --contexts ${STEPCTX:-8192,65536} \
-              --ab ${STEPAB:-routing_folded default_again} > "$c/step.log" 2>&1 ;;
+              --ab ${STEPAB:-routing_rounded default_again} > "$c/step.log" 2>&1 ;;
     qual) timeout ${QTIMEOUT:-150} python3 -m pytest -q -rfE -s -m gpu -p no:xdist \
             tests/kernels/test_router_fold.py::test_gpu_fold_agreement_with_rounded_router \
             tests/test_fast_backend.py::test_q1_mini_folded_routing_qualification > "$c/qual.log" 2>&1 ;;
