@@ -206,7 +206,7 @@ def _topk_store(logits, offs_t, t_ok, IDS, WTS, stride_ids, stride_w, E, K: tl.c
 def _route_folded_kernel(PL, SSQ, RES, WT, OUT, OUT16, IDS, WTS, stride_res, stride_out, stride_o16, stride_ids,
                          stride_w, eps, T, H: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
                          NB_POW2: tl.constexpr, PL_ROWS: tl.constexpr, E_POW2: tl.constexpr, NS: tl.constexpr,
-                         NS_POW2: tl.constexpr, HS: tl.constexpr, HS_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
+                         NS_POW2: tl.constexpr, HS: tl.constexpr, BLOCK_T: tl.constexpr,
                          HAS16: tl.constexpr, PDL: tl.constexpr, ORDER_BUG: tl.constexpr = False,
                          SCALE_BUG: tl.constexpr = False):
     """Programs 0 .. T-1: row p's logits = rsqrt(sum of squares / H + eps) x the sum over the NB column
@@ -216,7 +216,7 @@ def _route_folded_kernel(PL, SSQ, RES, WT, OUT, OUT16, IDS, WTS, stride_res, str
     p = tl.program_id(0)
     # a norm program's slice of the norm weight before the wait (a weight: no predecessor writes it;
     # masked off in the routing programs)
-    kk = (p - T) * HS + tl.arange(0, HS_POW2)
+    kk = (p - T) * HS + tl.arange(0, HS)   # (HS: a power of two)
     k_ok = (kk < H) & (p >= T)
     wt = load_weight(WT, kk, k_ok)
     if PDL:
@@ -243,6 +243,29 @@ def _route_folded_kernel(PL, SSQ, RES, WT, OUT, OUT16, IDS, WTS, stride_res, str
         res = _tile(RES, offs_t, t_ok, stride_res, kk, k_ok)
         _norm_tile(res, offs_t, t_ok, kk, k_ok, tl.sum(ssv, 1), wt, OUT, stride_out, OUT16, stride_o16, eps, True,
                    H, HAS16)
+
+
+def _outputs(T, k, ids, weights, dev):
+    """(ids [T, k] int32, weights [T, k] FP32): the given ones checked, or new ones."""
+    if ids is None:
+        ids = torch.empty((T, k), dtype=torch.int32, device=dev)
+    if weights is None:
+        weights = torch.empty((T, k), dtype=torch.float32, device=dev)
+    check(ids.shape == (T, k) and ids.dtype == torch.int32 and ids.stride(1) == 1, "ids [T, k] int32")
+    check(weights.shape == (T, k) and weights.dtype == torch.float32 and weights.stride(1) == 1,
+          "weights [T, k] fp32")
+    return ids, weights
+
+
+def _check_norm(T, H, ssq, nw, out, out16, dev):
+    """The norm inputs and outputs that ``route_topk(norm=)`` and ``route_folded`` share."""
+    check(ssq.dim() == 2 and ssq.shape[0] == T and ssq.dtype == torch.float32 and ssq.is_contiguous()
+          and ssq.device == dev, "norm: ssq [T, S] FP32, contiguous, on the residual's device")
+    check(nw.shape == (H,) and nw.stride(0) == 1 and nw.device == dev, "norm: weight [H]")
+    check(out.shape == (T, H) and out.dtype == torch.bfloat16 and out.stride(1) == 1 and out.device == dev,
+          "norm: out [T, H] BF16 with contiguous rows")
+    check(out16 is None or (out16.shape == (T, H) and out16.dtype == torch.float16 and out16.stride(1) == 1
+                            and out16.device == dev), "norm: out16 [T, H] FP16 with contiguous rows")
 
 
 def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=None, pdl=None, weights_first=None,
@@ -277,13 +300,7 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     if counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=dev)
     check(counter.dtype == torch.int32 and counter.device == dev and counter.numel() >= 1, "counter: int32 on x's device")
-    if ids is None:
-        ids = torch.empty((T, k), dtype=torch.int32, device=dev)
-    if weights is None:
-        weights = torch.empty((T, k), dtype=torch.float32, device=dev)
-    check(ids.shape == (T, k) and ids.dtype == torch.int32 and ids.stride(1) == 1, "ids [T, k] int32")
-    check(weights.shape == (T, k) and weights.dtype == torch.float32 and weights.stride(1) == 1,
-          "weights [T, k] fp32")
+    ids, weights = _outputs(T, k, ids, weights, dev)
     e_pow2 = max(16, next_pow2(E))
     shape = (split, BLOCK_T, e_pow2)
     part = (torch.full(shape, float("nan"), dtype=torch.float32, device=dev) if _poison
@@ -294,13 +311,7 @@ def route_topk(x, router, k, *, counter=None, ids=None, weights=None, split_h=No
     first = (WEIGHTS_FIRST if weights_first is None else bool(weights_first)) and hs_pow2 <= 1024
     extra = {}
     if norm is not None:
-        check(ssq.dim() == 2 and ssq.shape[0] == T and ssq.dtype == torch.float32 and ssq.is_contiguous()
-              and ssq.device == dev, "norm: ssq [T, S] FP32, contiguous, on the residual's device")
-        check(nw.shape == (H,) and nw.stride(0) == 1 and nw.device == dev, "norm: weight [H]")
-        check(out.shape == (T, H) and out.dtype == torch.bfloat16 and out.stride(1) == 1 and out.device == dev,
-              "norm: out [T, H] BF16 with contiguous rows")
-        check(out16 is None or (out16.shape == (T, H) and out16.dtype == torch.float16 and out16.stride(1) == 1
-                                and out16.device == dev), "norm: out16 [T, H] FP16 with contiguous rows")
+        _check_norm(T, H, ssq, nw, out, out16, dev)
         n_s = ssq.shape[1]
         extra = dict(RES=res, SSQ=ssq, WT=nw, OUT=out, OUT16=out16 if out16 is not None else out,
                      stride_res=res.stride(0), stride_out=out.stride(0),
@@ -342,23 +353,14 @@ def route_folded(pl, ssq, experts, k, norm, *, ids=None, weights=None, pdl=None,
     check(res.dtype == torch.bfloat16 and res.stride(1) == 1 and 1 <= T <= BLOCK_T, f"norm: res [T <= {BLOCK_T}, H] BF16")
     check(pl.dim() == 3 and pl.dtype == torch.float32 and pl.is_contiguous() and pl.shape[1] >= T
           and pl.shape[2] >= 16 and pl.shape[2] & (pl.shape[2] - 1) == 0, "pl: FP32 [blocks, rows >= T, E_pow2]")
-    check(ssq.dim() == 2 and ssq.shape[0] == T and ssq.dtype == torch.float32 and ssq.is_contiguous(),
-          "ssq [T, S] FP32, contiguous")
-    check(nw.shape == (H,) and nw.stride(0) == 1, "norm: weight [H]")
-    check(out.shape == (T, H) and out.dtype == torch.bfloat16 and out.stride(1) == 1, "norm: out [T, H] BF16")
-    check(out16 is None or (out16.shape == (T, H) and out16.dtype == torch.float16 and out16.stride(1) == 1),
-          "norm: out16 [T, H] FP16")
+    dev = res.device
+    check(pl.device == dev, "pl on the residual's device")
+    _check_norm(T, H, ssq, nw, out, out16, dev)
     E = int(experts)
     e_pow2 = pl.shape[2]
     check(k >= 1 and k & (k - 1) == 0 and k <= E and e_pow2 == max(16, next_pow2(E)),
           "k a power of two <= experts; pl's last dimension max(16, the experts' power of two)")
-    dev = res.device
-    if ids is None:
-        ids = torch.empty((T, k), dtype=torch.int32, device=dev)
-    if weights is None:
-        weights = torch.empty((T, k), dtype=torch.float32, device=dev)
-    check(ids.shape == (T, k) and ids.dtype == torch.int32 and ids.stride(1) == 1, "ids [T, k] int32")
-    check(weights.shape == (T, k) and weights.dtype == torch.float32 and weights.stride(1) == 1, "weights [T, k] fp32")
+    ids, weights = _outputs(T, k, ids, weights, dev)
     hs = int(slice_h or FOLD_SLICE)
     check(hs >= 16 and hs & (hs - 1) == 0, "slice_h: a power of two >= 16")
     use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
@@ -367,7 +369,7 @@ def route_folded(pl, ssq, experts, k, norm, *, ids=None, weights=None, pdl=None,
         pl, ssq, res, nw, out, out16 if out16 is not None else out, ids, weights, res.stride(0), out.stride(0),
         out16.stride(0) if out16 is not None else 0, ids.stride(0), weights.stride(0), float(eps), T,
         H=H, E=E, K=k, NB=n_b, NB_POW2=next_pow2(n_b), PL_ROWS=pl.shape[1], E_POW2=e_pow2, NS=ssq.shape[1],
-        NS_POW2=next_pow2(ssq.shape[1]), HS=hs, HS_POW2=hs, BLOCK_T=BLOCK_T, HAS16=out16 is not None, PDL=use_pdl,
+        NS_POW2=next_pow2(ssq.shape[1]), HS=hs, BLOCK_T=BLOCK_T, HAS16=out16 is not None, PDL=use_pdl,
         ORDER_BUG=bool(_order_bug), SCALE_BUG=bool(_scale_bug), num_warps=int(num_warps or FOLD_NUM_WARPS),
         **({"launch_pdl": True} if use_pdl else {}),
     )
