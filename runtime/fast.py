@@ -83,6 +83,7 @@ from .kernels import attention as _attn
 from .kernels import linear as _linear
 from .kernels import moe as _moe
 from .kernels import norm as _norm
+from .kernels import prefetch as _prefetch
 from .kernels import rope as _rope
 from .kernels import round_state as _round
 from .kernels import router as _router
@@ -250,6 +251,15 @@ class FastModel(Model):
         # the norm kernel's in the last bit (the sum of squares in another order).
         # bench_step.py --ab router_norm_apart measures the old way.
         self.fuse_router_norm = True
+        # Expert prefetch (DESIGN.md "Kernels"; runtime/kernels/prefetch.py): None (the default), or
+        # (bytes, at): in each layer pass a launch on a side stream asks L2 for ``bytes`` of the Gate/Up
+        # weights of the experts that layer chose in its previous pass (its router writes them into a
+        # buffer per layer, _pred_ids), forked when the pass starts (at="layer") or before the attention
+        # split (at="attention"). A measurement option (bench_step.py --ab xpf*) until a paired replay
+        # shows it pays; it applies where the router writes the ids (fuse_router_norm, compiled CUDA).
+        self.expert_prefetch: tuple | None = None
+        self._pred_ids: dict[int, torch.Tensor] = {}
+        self._side_stream = None
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
         self._log_cols = dict(width=LOG_WIDTH, drafts=LOG_DRAFTS, accepted=LOG_ACCEPTED, emitted=LOG_EMITTED,
                               cache_len=LOG_CACHE_LEN, done=LOG_DONE, tokens=LOG_TOKENS)
@@ -408,10 +418,12 @@ class FastModel(Model):
                 and rows <= _router.BLOCK_T and not self._has_peers())
 
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
-                        cache: KVCache, tab, residual: tuple | None = None, fold: tuple | None = None) -> torch.Tensor:
+                        cache: KVCache, tab, residual: tuple | None = None, fold: tuple | None = None,
+                        before_split=None) -> torch.Tensor:
         """The attention block of h; with ``residual`` = (r, ssq) (``_router_norm_fusable``), the
         output projection adds its result to r itself and writes ssq (skinny_linear(residual=));
-        returns r then. ``fold``: skinny_linear's fold= (kernels.routing=folded)."""
+        returns r then. ``fold``: skinny_linear's fold= (kernels.routing=folded). ``before_split``:
+        called (no arguments) between rope_kv_write and the attention split (the expert prefetch)."""
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
@@ -438,6 +450,8 @@ class FastModel(Model):
         if cache.kind == "full":
             q = _rope.rope_kv_write(**qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, slots=positions,
                                     positions=positions, **rope)
+            if before_split is not None:
+                before_split()
             _attn.decode_attention_full(q, cache.k, cache.v, tab["start"], sinks, out=o, **opts)
         else:
             ring = dict(slots=None, ring_slots=cache.slots)
@@ -448,6 +462,8 @@ class FastModel(Model):
                 ring = dict(slots=slots)
             q = _rope.rope_kv_write(**qkv, nh=nh, nkv=nkv, k_cache=cache.k, v_cache=cache.v, labels=cache.labels,
                                     positions=positions, **ring, **rope)
+            if before_split is not None:
+                before_split()
             _attn.decode_attention_ring(q, cache.k, cache.v, tab["start"], sinks, cache.window, out=o, **opts)
         # (with residual, out is r += o @ Wo^T: under rank emulation the all-reduce it stands in for is
         # counted on r, a tensor of the output's shape and dtype)
@@ -478,6 +494,37 @@ class FastModel(Model):
         # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
         # the MoE output it stands in for is counted on a tensor of the same shape and dtype)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
+
+    def _expert_prefetch_plan(self, fuse_rn: bool) -> tuple | None:
+        """(bytes, at) of ``expert_prefetch`` where it applies in this pass (the router writes the
+        per-layer ids: fuse_router_norm; compiled CUDA), else None."""
+        xpf = self.expert_prefetch
+        if xpf is None or not fuse_rn or not _prefetch.compiled_cuda(self.device):
+            return None
+        nbytes, at = xpf
+        if at not in ("layer", "attention") or int(nbytes) < 0:
+            raise ValueError(f"expert_prefetch: (bytes >= 0, 'layer' or 'attention'), got {xpf!r}")
+        return int(nbytes), at
+
+    def _predicted_ids(self, lw: LayerWeights) -> torch.Tensor:
+        """The layer's ids buffer [MAX_DECODE_ROWS, k] int32 (-1 until its router writes rows): created
+        on first use, which must not be inside a CUDA-graph capture (it would be refilled per replay)."""
+        buf = self._pred_ids.get(id(lw))
+        if buf is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("expert_prefetch: first pass inside a CUDA-graph capture; run one eagerly first")
+            buf = self._pred_ids[id(lw)] = torch.full((MAX_DECODE_ROWS, self.cfg.num_experts_per_tok), -1,
+                                                      dtype=torch.int32, device=self.device)
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+        return buf
+
+    def _fork_prefetch(self, ids: torch.Tensor, w13: torch.Tensor, nbytes: int) -> None:
+        """The expert prefetch on the side stream, after everything enqueued so far on this one."""
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            _prefetch.expert_prefetch(ids, w13, nbytes)
 
     def _tables(self, positions: torch.Tensor) -> dict:
         """A pass's shared inputs: start_pos, and RoPE's cos / sin tables (unless rope_kv_write computes
@@ -512,21 +559,31 @@ class FastModel(Model):
                               dtype=torch.float32, device=r.device)
             h_mid = torch.empty_like(r)
         folded = fuse_rn and self.kernels.routing == "folded"
+        xpf = self._expert_prefetch_plan(fuse_rn)
+        T = r.shape[0]
         if folded:   # the output projection's router-logit partials (route_folded sums them)
             E = layers[0].router.shape[0]
             pl = torch.empty(_linear.fold_shape(wo.shape[0], wo.shape[1], E, r.device), dtype=torch.float32,
                              device=r.device)
         for i, (lw, c) in enumerate(zip(layers, caches)):
-            routed = None
+            routed, ids, fork = None, None, None
+            if xpf is not None:   # the prefetch of the experts this layer chose last time; the router writes ids
+                pred = self._predicted_ids(lw)
+                ids = pred[:T]
+                fork = lambda pred=pred, w13=lw.w13: self._fork_prefetch(pred, w13, xpf[0])
+                if xpf[1] == "layer":   # forked now, before the Q/K/V projection
+                    fork()
+                    fork = None
             if folded:   # r += attention and the router's partial products in the projection
-                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), fold=(lw.router, lw.ln2, pl))
+                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), fold=(lw.router, lw.ln2, pl),
+                                     before_split=fork)
                 h = h_mid
                 routed = _router.route_folded(pl, ssq, E, self.cfg.num_experts_per_tok, (r, lw.ln2, eps, h, h16),
-                                              pdl=self.moe_pdl)
+                                              pdl=self.moe_pdl, ids=ids)
             elif fuse_rn:   # r += attention in the projection; h = norm(r) and the routing in the router
-                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq))
+                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), before_split=fork)
                 h = h_mid
-                routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok,
+                routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok, ids=ids,
                                             norm=(r, ssq, lw.ln2, eps, h, h16), **self._router_kw())
             else:
                 a = self._attention_fast(lw, h, positions, c, tab)
@@ -539,6 +596,8 @@ class FastModel(Model):
                 h = add_norm(m, r, layers[i + 1].ln1, eps)   # r += moe
             else:
                 r.add_(m)
+        if xpf is not None:   # the side stream joins (a capture must end on one stream)
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         return r
 
     # ---- whole passes ------------------------------------------------------------------------------

@@ -926,6 +926,65 @@ def test_gpu_fast_step_is_graph_capturable(mini_pair):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("at", ["layer", "attention"])
+def test_gpu_expert_prefetch_changes_no_value(mini_pair, at):
+    """FastModel.expert_prefetch (runtime/kernels/prefetch.py): one q1-mini step eagerly, then captured
+    as a CUDA graph (the prefetch on its side stream, joined) and replayed twice, ends in the default
+    step's state bit for bit; every layer's ids buffer holds that layer's routing (distinct experts in
+    [0, E) per live row, -1 beyond). Control: with fuse_router_norm off the prefetch does not apply and
+    no buffer is made (so the buffers' check sees whether the prefetch ran)."""
+    _, fast = mini_pair
+    rnd, st = fast.start(code_prompt(3), 0, 32)
+    model = rnd.model
+    w = st.width()
+    st0, cache0 = clone_state(st), copy.deepcopy(rnd.cache)
+
+    def step():
+        rnd.verify(st, w)
+        rnd.draft_first(st, w)
+        for k in range(2, 6):
+            rnd.draft_next(st, k)
+
+    def restore():
+        for f in dataclasses.fields(st):
+            getattr(st, f.name).copy_(getattr(st0, f.name))
+        copy_caches(rnd.cache, cache0)
+
+    with torch.no_grad():
+        step()
+        want = clone_state(st)
+        try:
+            model.expert_prefetch, model._pred_ids = (16 << 20, at), {}
+            restore()
+            step()                                # eager: makes the buffers and the side stream
+            g = torch.cuda.CUDAGraph()
+            restore()
+            with torch.cuda.graph(g):
+                step()
+            for _ in range(2):
+                restore()
+                g.replay()
+            torch.cuda.synchronize()
+            bufs = dict(model._pred_ids)
+            model.fuse_router_norm, model._pred_ids = False, {}
+            restore()
+            step()
+            torch.cuda.synchronize()
+            control = dict(model._pred_ids)
+        finally:
+            model.expert_prefetch, model._pred_ids, model.fuse_router_norm = None, {}, True
+    for f in dataclasses.fields(st):
+        assert torch.equal(getattr(st, f.name), getattr(want, f.name)), f.name
+    layers = model.layers + [m.layer for m in model.mtp]
+    assert set(bufs) == {id(lw) for lw in layers} and control == {}
+    E = model.cfg.num_experts
+    for b in bufs.values():
+        live = b[(b >= 0).all(dim=1)]
+        assert 1 <= live.shape[0] <= w and bool((b[live.shape[0]:] == -1).all())
+        assert bool((live < E).all()) and all(len(set(row.tolist())) == row.numel() for row in live)
+
+
+@pytest.mark.gpu
 def test_gpu_draft_update_hook_matches_the_torch_sequence(mini_pair):
     """q1-mini on the GPU: three whole steps (verify, drafts to depth 7) with FastModel's take_draft and
     settle hooks and with Round's torch sequences reach the same state (entropy within 1e-6);

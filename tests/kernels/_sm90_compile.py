@@ -118,7 +118,7 @@ def _compile_only(name, sink):
     return mod
 
 
-def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
+def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS, PF):
     bf = torch.bfloat16
     for d, window, E, H, I in ((128, 4096, 128, 6144, 256), (64, 512, 32, 256, 128)):
         for w in (4, 8):
@@ -252,6 +252,13 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS):
                              _fold_bug=bug)
             RT.route_folded(pl, ssq, E, 8, (res, torch.randn(H).to(bf), 1e-6, torch.empty(T, H).to(bf),
                                             torch.empty(T, H).half()), _scale_bug=bug, _order_bug=bug)
+    # the expert prefetch (FastModel.expert_prefetch; bulk L2 prefetches, and the dry form of the tests)
+    w13 = torch.empty(128, 512, 6144, dtype=torch.uint8)
+    ids = torch.zeros(8, 8, dtype=torch.int32)
+    PF.expert_prefetch(ids, w13, 32 << 20)
+    m = PF.max_items(64, 128, 256, 6144, 32 << 20)
+    PF.expert_prefetch(ids, w13, 32 << 20, dry=(torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int32),
+                                                torch.empty(1, dtype=torch.int32)), _bug=True)
     for seed in (torch.tensor(3), 5):                                # the round's uniforms
         U.uniform(seed, torch.arange(7), 2)
     U.uniform(3, torch.arange(7), 2, _bug=True)
@@ -272,11 +279,12 @@ def main():
     sink = []
     drv.set_active(_Sm90Driver())
     mods = [_compile_only(n, sink) for n in ("attention", "moe", "norm", "sampler", "rope", "router", "uniform",
-                                             "linear", "round_state")]
+                                             "linear", "round_state", "prefetch")]
     for m in mods[:3] + mods[5:6] + mods[7:]:   # the stand-in device is the CPU: pdl=True launches for sm_90
         m.pdl_supported = lambda device: True
     mods[7].compiled_cuda = lambda device: True   # and the weight prefetch
     mods[0].compiled_cuda = lambda device: True   # and the L2 prefetches
+    mods[9].compiled_cuda = lambda device: True   # the expert prefetch's inline PTX
     mods[4].pdl_supported = lambda device: True
     _launch_everything(*mods)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
