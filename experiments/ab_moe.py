@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from bench_kernels import MOE, moe_bytes, moe_data, moe_sets  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
+from runtime.kernels.prefetch import expert_prefetch  # noqa: E402
 
 CONFIGS = {
     "default": {},
@@ -69,17 +70,33 @@ CONFIGS = {
     # before its wait (down_prefetch; session 11 measured 2 / 4 / 8 slower, before the Down's programs
     # could share an SM with the Gate/Up's: session 28's carveout and 4 x 2 Down; session 42: no gain either)
     **{f"ranked_pf{n}": dict(group_table=False, down_prefetch=n) for n in (1, 2, 4)},
+    # the expert prefetch's ceiling in isolation (FastModel.expert_prefetch, session 45): N MiB of the
+    # call's own experts' Gate/Up weights asked of L2 (runtime/kernels/prefetch.py), a spin of 10 us (no
+    # memory traffic: time for the prefetch to land), then the MoE. sleep10 is the same without the
+    # prefetch: compare pfN_sleep10 with it (both times include the spin)
+    "sleep10": dict(_sleep_us=10),
+    **{f"pf{n}_sleep10": dict(_sleep_us=10, _prefetch_mib=n) for n in (8, 16, 32, 48)},
 }
+
+SPIN_CYCLES_PER_US = 1980   # torch.cuda._sleep's unit: SM clock cycles (the H200's ~1.98 GHz)
 
 
 def _calls(name, data):
     """The graph's calls for config ``name``: whole MoE calls, or for ``down:NAME`` the Down launch of
     each set's plan (the plan's launches run once here, so the activations are real)."""
     down = name.startswith("down:")
-    kw = CONFIGS[name.split(":", 1)[1] if down else name]
+    kw = dict(CONFIGS[name.split(":", 1)[1] if down else name])
+    spin, pf_mib = kw.pop("_sleep_us", 0), kw.pop("_prefetch_mib", 0)
     if not down:
-        return [(lambda x=x, ids=ids, tw=tw, wt=wt, o=o: M.fused_moe_fp8(x, ids, tw, *wt, o, **kw))
-                for x, ids, tw, wt, o in data]
+        def call(x, ids, tw, wt, o):
+            if pf_mib:
+                expert_prefetch(ids, wt[0], pf_mib << 20)
+            if spin:
+                torch.cuda._sleep(int(spin * SPIN_CYCLES_PER_US))
+            M.fused_moe_fp8(x, ids, tw, *wt, o, **kw)
+        return [(lambda d=d: call(*d)) for d in data]
+    if spin or pf_mib:
+        raise ValueError(f"{name}: the spin / prefetch configs are whole-call configs only")
     out = []
     for x, ids, tw, wt, o in data:
         steps = dict(M.moe_plan(x, ids, tw, *wt, o, **kw)[1])
@@ -103,6 +120,9 @@ def main():
     unknown = [n for n in names if n.split(":", 1)[-1] not in CONFIGS or (":" in n and not n.startswith("down:"))]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)} (each also as down:NAME)")
+    gpu_only = [n for n in names if set(CONFIGS[n.split(":", 1)[-1]]) & {"_sleep_us", "_prefetch_mib"}]
+    if gpu_only and str(DEV) != "cuda":
+        ap.error(f"{gpu_only}: the spin and the L2 prefetch need a CUDA GPU (not the dry run's interpreter)")
     H, I, E = MOE["H"], MOE["I"], MOE["E"]
     copy_bw = copy_bandwidth()[0]
     weights = moe_sets(MOE["sets"])

@@ -547,14 +547,15 @@ AB_VARIANTS = {
     "routing_folded": lambda rnd: _model_variant(rnd, kernels=dataclasses.replace(rnd.model.kernels, routing="folded")),
     # the expert prefetch (FastModel.expert_prefetch, runtime/kernels/prefetch.py; DESIGN.md "Kernels"):
     # per layer pass, a side-stream launch asks L2 for N MiB of the Gate/Up weights of the experts the
-    # layer chose in its previous pass, forked when the pass starts (xpfN) or before the attention split
-    # (xpfN_attn). The graph replays the same step, so the prediction is this pass's own routing: the
+    # layer chose in its previous pass, forked when the pass starts (xpfN), before the attention split
+    # (xpfN_attn) or before the router (xpfN_router). The graph replays the same step, so the prediction is this pass's own routing: the
     # oracle, the most a predictor could give. xpf0 launches the prefetch kernel with nothing to ask for
     # (the fork's own cost)
     **{f"xpf{n}": (lambda rnd, n=n: _model_variant(rnd, expert_prefetch=(n << 20, "layer"), _pred_ids={},
-                                                  _side_stream=None)) for n in (0, 8, 16, 32, 64)},
-    **{f"xpf{n}_attn": (lambda rnd, n=n: _model_variant(rnd, expert_prefetch=(n << 20, "attention"), _pred_ids={},
-                                                       _side_stream=None)) for n in (0, 16, 32)},
+                                                  _side_stream=None)) for n in (0, 4, 8, 16, 32, 64)},
+    **{f"xpf{n}_{tag}": (lambda rnd, n=n, at=at: _model_variant(rnd, expert_prefetch=(n << 20, at), _pred_ids={},
+                                                               _side_stream=None))
+       for n in (0, 4, 8, 16, 32) for tag, at in (("attn", "attention"), ("router", "router"))},
     # the router with n warps per program (router.NUM_WARPS; fused with the norm, NORM_NUM_WARPS)
     **{f"router_w{n}": (lambda rnd, n=n: _router(rnd, num_warps=n)) for n in (2, 4, 8, 16)},
     # the norm apart, its router with n warps

@@ -254,8 +254,8 @@ class FastModel(Model):
         # Expert prefetch (DESIGN.md "Kernels"; runtime/kernels/prefetch.py): None (the default), or
         # (bytes, at): in each layer pass a launch on a side stream asks L2 for ``bytes`` of the Gate/Up
         # weights of the experts that layer chose in its previous pass (its router writes them into a
-        # buffer per layer, _pred_ids), forked when the pass starts (at="layer") or before the attention
-        # split (at="attention"). A measurement option (bench_step.py --ab xpf*) until a paired replay
+        # buffer per layer, _pred_ids), forked when the pass starts (at="layer"), before the attention
+        # split (at="attention") or before the router (at="router"). A measurement option (bench_step.py --ab xpf*) until a paired replay
         # shows it pays; it applies where the router writes the ids (fuse_router_norm, compiled CUDA).
         self.expert_prefetch: tuple | None = None
         self._pred_ids: dict[int, torch.Tensor] = {}
@@ -502,8 +502,8 @@ class FastModel(Model):
         if xpf is None or not fuse_rn or not _prefetch.compiled_cuda(self.device):
             return None
         nbytes, at = xpf
-        if at not in ("layer", "attention") or int(nbytes) < 0:
-            raise ValueError(f"expert_prefetch: (bytes >= 0, 'layer' or 'attention'), got {xpf!r}")
+        if at not in ("layer", "attention", "router") or int(nbytes) < 0:
+            raise ValueError(f"expert_prefetch: (bytes >= 0, 'layer', 'attention' or 'router'), got {xpf!r}")
         return int(nbytes), at
 
     def _predicted_ids(self, lw: LayerWeights) -> torch.Tensor:
@@ -574,14 +574,22 @@ class FastModel(Model):
                 if xpf[1] == "layer":   # forked now, before the Q/K/V projection
                     fork()
                     fork = None
+            if xpf is not None and xpf[1] == "router":   # forked after the output projection, before the router
+                split_fork, router_fork = None, fork
+            else:
+                split_fork, router_fork = fork, None
             if folded:   # r += attention and the router's partial products in the projection
                 self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), fold=(lw.router, lw.ln2, pl),
-                                     before_split=fork)
+                                     before_split=split_fork)
+                if router_fork is not None:
+                    router_fork()
                 h = h_mid
                 routed = _router.route_folded(pl, ssq, E, self.cfg.num_experts_per_tok, (r, lw.ln2, eps, h, h16),
                                               pdl=self.moe_pdl, ids=ids)
             elif fuse_rn:   # r += attention in the projection; h = norm(r) and the routing in the router
-                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), before_split=fork)
+                self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), before_split=split_fork)
+                if router_fork is not None:
+                    router_fork()
                 h = h_mid
                 routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok, ids=ids,
                                             norm=(r, ssq, lw.ln2, eps, h, h16), **self._router_kw())

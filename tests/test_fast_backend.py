@@ -926,7 +926,7 @@ def test_gpu_fast_step_is_graph_capturable(mini_pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("at", ["layer", "attention"])
+@pytest.mark.parametrize("at", ["layer", "attention", "router"])
 def test_gpu_expert_prefetch_changes_no_value(mini_pair, at):
     """FastModel.expert_prefetch (runtime/kernels/prefetch.py): one q1-mini step eagerly, then captured
     as a CUDA graph (the prefetch on its side stream, joined) and replayed twice, ends in the default
@@ -965,7 +965,7 @@ def test_gpu_expert_prefetch_changes_no_value(mini_pair, at):
                 restore()
                 g.replay()
             torch.cuda.synchronize()
-            bufs = dict(model._pred_ids)
+            got, bufs = clone_state(st), dict(model._pred_ids)
             model.fuse_router_norm, model._pred_ids = False, {}
             restore()
             step()
@@ -974,7 +974,7 @@ def test_gpu_expert_prefetch_changes_no_value(mini_pair, at):
         finally:
             model.expert_prefetch, model._pred_ids, model.fuse_router_norm = None, {}, True
     for f in dataclasses.fields(st):
-        assert torch.equal(getattr(st, f.name), getattr(want, f.name)), f.name
+        assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
     layers = model.layers + [m.layer for m in model.mtp]
     assert set(bufs) == {id(lw) for lw in layers} and control == {}
     E = model.cfg.num_experts
