@@ -26,7 +26,9 @@ import torch  # noqa: E402
 
 from bench_kernels import MOE, moe_bytes, moe_data, moe_sets  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
-from runtime.kernels.prefetch import expert_prefetch  # noqa: E402
+from runtime.kernels.prefetch import expert_prefetch, max_items  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 CONFIGS = {
     "default": {},
@@ -76,9 +78,51 @@ CONFIGS = {
     # prefetch: compare pfN_sleep10 with it (both times include the spin)
     "sleep10": dict(_sleep_us=10),
     **{f"pf{n}_sleep10": dict(_sleep_us=10, _prefetch_mib=n) for n in (8, 16, 32, 48)},
+    # the same ranges read by a plain load kernel (_warm_kernel) instead of asked for: the L2 residency's
+    # own ceiling, whatever the prefetch instruction costs; warmx reads as many bytes of another weight
+    # set (the control: the same launch and traffic, nothing the MoE then finds in L2)
+    **{f"warm{n}_sleep10": dict(_sleep_us=10, _warm_mib=n) for n in (8, 16, 32)},
+    **{f"warmx{n}_sleep10": dict(_sleep_us=10, _warm_mib=n, _warm_other=True) for n in (8, 16, 32)},
+    # the prefetch / the warm alone (no spin, no MoE): what the launch itself takes
+    **{f"pf{n}_only": dict(_prefetch_mib=n, _no_moe=True) for n in (8, 32)},
+    **{f"warm{n}_only": dict(_warm_mib=n, _no_moe=True) for n in (8, 32)},
 }
+_PROBE_KEYS = {"_sleep_us", "_prefetch_mib", "_warm_mib", "_warm_other", "_no_moe"}
 
 SPIN_CYCLES_PER_US = 1980   # torch.cuda._sleep's unit: SM clock cycles (the H200's ~1.98 GHz)
+
+
+def _chunks(ids, w13, budget):
+    """(offsets int64, sizes int32, count [1]) of the chunks expert_prefetch asks for (its dry form), sized
+    to the bound, unused entries size 0."""
+    E, two_i, H = w13.shape
+    m = max_items(ids.numel(), E, two_i // 2, H, budget)
+    offs = torch.zeros(m, dtype=torch.int64, device=w13.device)
+    sizes = torch.zeros(m, dtype=torch.int32, device=w13.device)
+    n = torch.zeros(1, dtype=torch.int32, device=w13.device)
+    expert_prefetch(ids, w13, budget, dry=(offs, sizes, n))
+    return offs, sizes, n
+
+
+@triton.jit
+def _warm_kernel(w_ptr, offs_ptr, sizes_ptr, sink_ptr, WARM_BLOCK: tl.constexpr):
+    """One program per chunk: reads its ``size`` bytes at ``off`` (as int32 words) and folds them into an
+    xor that is stored only if it equals a value the data cannot produce at run time (so the loads stay)."""
+    c = tl.program_id(0)
+    off = tl.load(offs_ptr + c)
+    size = tl.load(sizes_ptr + c)
+    base = (w_ptr + off).to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([WARM_BLOCK], dtype=tl.int32)
+    j = tl.arange(0, WARM_BLOCK)
+    for k in range(0, size // 4, WARM_BLOCK):
+        acc ^= tl.load(base + k + j, mask=k + j < size // 4, other=0)
+    x = tl.reduce(acc, 0, _xor)
+    tl.store(sink_ptr, x, mask=(x == 0x7FFFFFFF) & (size < 0))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
 
 
 def _calls(name, data):
@@ -86,17 +130,28 @@ def _calls(name, data):
     each set's plan (the plan's launches run once here, so the activations are real)."""
     down = name.startswith("down:")
     kw = dict(CONFIGS[name.split(":", 1)[1] if down else name])
-    spin, pf_mib = kw.pop("_sleep_us", 0), kw.pop("_prefetch_mib", 0)
+    probe = {k: kw.pop(k) for k in _PROBE_KEYS & set(kw)}
+    spin, pf_mib, warm_mib = probe.get("_sleep_us", 0), probe.get("_prefetch_mib", 0), probe.get("_warm_mib", 0)
     if not down:
-        def call(x, ids, tw, wt, o):
+        warm = [None] * len(data)
+        if warm_mib:   # each call's chunks (the prefetch's own ranges), read from its set or the next one
+            for i, (_, ids, _, wt, _) in enumerate(data):
+                j = (i + 1) % len(data) if probe.get("_warm_other") else i
+                warm[i] = (data[j][3][0], *_chunks(ids, wt[0], warm_mib << 20))
+
+        def call(i, x, ids, tw, wt, o):
             if pf_mib:
                 expert_prefetch(ids, wt[0], pf_mib << 20)
+            if warm[i] is not None:
+                w13, offs, sizes, n = warm[i]
+                _warm_kernel[(offs.numel(),)](w13, offs, sizes, n, WARM_BLOCK=4096, num_warps=4)
             if spin:
                 torch.cuda._sleep(int(spin * SPIN_CYCLES_PER_US))
-            M.fused_moe_fp8(x, ids, tw, *wt, o, **kw)
-        return [(lambda d=d: call(*d)) for d in data]
-    if spin or pf_mib:
-        raise ValueError(f"{name}: the spin / prefetch configs are whole-call configs only")
+            if not probe.get("_no_moe"):
+                M.fused_moe_fp8(x, ids, tw, *wt, o, **kw)
+        return [(lambda i=i, d=d: call(i, *d)) for i, d in enumerate(data)]
+    if probe:
+        raise ValueError(f"{name}: the spin / prefetch / warm configs are whole-call configs only")
     out = []
     for x, ids, tw, wt, o in data:
         steps = dict(M.moe_plan(x, ids, tw, *wt, o, **kw)[1])
@@ -120,7 +175,7 @@ def main():
     unknown = [n for n in names if n.split(":", 1)[-1] not in CONFIGS or (":" in n and not n.startswith("down:"))]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)} (each also as down:NAME)")
-    gpu_only = [n for n in names if set(CONFIGS[n.split(":", 1)[-1]]) & {"_sleep_us", "_prefetch_mib"}]
+    gpu_only = [n for n in names if set(CONFIGS[n.split(":", 1)[-1]]) & _PROBE_KEYS]
     if gpu_only and str(DEV) != "cuda":
         ap.error(f"{gpu_only}: the spin and the L2 prefetch need a CUDA GPU (not the dry run's interpreter)")
     H, I, E = MOE["H"], MOE["I"], MOE["E"]
