@@ -83,24 +83,31 @@ CONFIGS = {
     # set (the control: the same launch and traffic, nothing the MoE then finds in L2)
     **{f"warm{n}_sleep10": dict(_sleep_us=10, _warm_mib=n) for n in (8, 16, 32)},
     **{f"warmx{n}_sleep10": dict(_sleep_us=10, _warm_mib=n, _warm_other=True) for n in (8, 16, 32)},
+    # the same with the budget as every row's first K columns (expert_prefetch k_first): every Gate/Up
+    # program's first K steps
+    **{f"pfk{n}_sleep10": dict(_sleep_us=10, _prefetch_mib=n, _k_first=True) for n in (8, 16, 32, 48)},
+    **{f"warmk{n}_sleep10": dict(_sleep_us=10, _warm_mib=n, _k_first=True) for n in (8, 16, 32, 48)},
+    **{f"warmxk{n}_sleep10": dict(_sleep_us=10, _warm_mib=n, _warm_other=True, _k_first=True) for n in (8, 16, 32, 48)},
+    **{f"pfk{n}_only": dict(_prefetch_mib=n, _no_moe=True, _k_first=True) for n in (8, 32)},
+    **{f"warmk{n}_only": dict(_warm_mib=n, _no_moe=True, _k_first=True) for n in (8, 32)},
     # the prefetch / the warm alone (no spin, no MoE): what the launch itself takes
     **{f"pf{n}_only": dict(_prefetch_mib=n, _no_moe=True) for n in (8, 32)},
     **{f"warm{n}_only": dict(_warm_mib=n, _no_moe=True) for n in (8, 32)},
 }
-_PROBE_KEYS = {"_sleep_us", "_prefetch_mib", "_warm_mib", "_warm_other", "_no_moe"}
+_PROBE_KEYS = {"_sleep_us", "_prefetch_mib", "_warm_mib", "_warm_other", "_no_moe", "_k_first"}
 
 SPIN_CYCLES_PER_US = 1980   # torch.cuda._sleep's unit: SM clock cycles (the H200's ~1.98 GHz)
 
 
-def _chunks(ids, w13, budget):
+def _chunks(ids, w13, budget, k_first):
     """(offsets int64, sizes int32, count [1]) of the chunks expert_prefetch asks for (its dry form), sized
     to the bound, unused entries size 0."""
     E, two_i, H = w13.shape
-    m = max_items(ids.numel(), E, two_i // 2, H, budget)
+    m = max_items(ids.numel(), E, two_i // 2, H, budget, k_first=k_first)
     offs = torch.zeros(m, dtype=torch.int64, device=w13.device)
     sizes = torch.zeros(m, dtype=torch.int32, device=w13.device)
     n = torch.zeros(1, dtype=torch.int32, device=w13.device)
-    expert_prefetch(ids, w13, budget, dry=(offs, sizes, n))
+    expert_prefetch(ids, w13, budget, k_first=k_first, dry=(offs, sizes, n))
     return offs, sizes, n
 
 
@@ -132,16 +139,17 @@ def _calls(name, data):
     kw = dict(CONFIGS[name.split(":", 1)[1] if down else name])
     probe = {k: kw.pop(k) for k in _PROBE_KEYS & set(kw)}
     spin, pf_mib, warm_mib = probe.get("_sleep_us", 0), probe.get("_prefetch_mib", 0), probe.get("_warm_mib", 0)
+    k_first = bool(probe.get("_k_first"))
     if not down:
         warm = [None] * len(data)
         if warm_mib:   # each call's chunks (the prefetch's own ranges), read from its set or the next one
             for i, (_, ids, _, wt, _) in enumerate(data):
                 j = (i + 1) % len(data) if probe.get("_warm_other") else i
-                warm[i] = (data[j][3][0], *_chunks(ids, wt[0], warm_mib << 20))
+                warm[i] = (data[j][3][0], *_chunks(ids, wt[0], warm_mib << 20, k_first))
 
         def call(i, x, ids, tw, wt, o):
             if pf_mib:
-                expert_prefetch(ids, wt[0], pf_mib << 20)
+                expert_prefetch(ids, wt[0], pf_mib << 20, k_first=k_first)
             if warm[i] is not None:
                 w13, offs, sizes, n = warm[i]
                 _warm_kernel[(offs.numel(),)](w13, offs, sizes, n, WARM_BLOCK=4096, num_warps=4)

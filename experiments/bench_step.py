@@ -556,6 +556,11 @@ AB_VARIANTS = {
     **{f"xpf{n}_{tag}": (lambda rnd, n=n, at=at: _model_variant(rnd, expert_prefetch=(n << 20, at), _pred_ids={},
                                                                _side_stream=None))
        for n in (0, 4, 8, 16, 32) for tag, at in (("attn", "attention"), ("router", "router"))},
+    # the same with the budget as the first K columns of every row of each predicted expert
+    # (expert_prefetch k_first: every Gate/Up program's first K steps)
+    **{f"xpfk{n}{tag}": (lambda rnd, n=n, at=at: _model_variant(rnd, expert_prefetch=(n << 20, at, True), _pred_ids={},
+                                                              _side_stream=None))
+       for n in (8, 16, 32, 48) for tag, at in (("", "layer"), ("_router", "router"))},
     # the router with n warps per program (router.NUM_WARPS; fused with the norm, NORM_NUM_WARPS)
     **{f"router_w{n}": (lambda rnd, n=n: _router(rnd, num_warps=n)) for n in (2, 4, 8, 16)},
     # the norm apart, its router with n warps

@@ -252,7 +252,7 @@ class FastModel(Model):
         # bench_step.py --ab router_norm_apart measures the old way.
         self.fuse_router_norm = True
         # Expert prefetch (DESIGN.md "Kernels"; runtime/kernels/prefetch.py): None (the default), or
-        # (bytes, at): in each layer pass a launch on a side stream asks L2 for ``bytes`` of the Gate/Up
+        # (bytes, at[, k_first]) (k_first: expert_prefetch's layout): in each layer pass a launch on a side stream asks L2 for ``bytes`` of the Gate/Up
         # weights of the experts that layer chose in its previous pass (its router writes them into a
         # buffer per layer, _pred_ids), forked when the pass starts (at="layer"), before the attention
         # split (at="attention") or before the router (at="router"). A measurement option (bench_step.py --ab xpf*) until a paired replay
@@ -501,10 +501,10 @@ class FastModel(Model):
         xpf = self.expert_prefetch
         if xpf is None or not fuse_rn or not _prefetch.compiled_cuda(self.device):
             return None
-        nbytes, at = xpf
-        if at not in ("layer", "attention", "router") or int(nbytes) < 0:
-            raise ValueError(f"expert_prefetch: (bytes >= 0, 'layer', 'attention' or 'router'), got {xpf!r}")
-        return int(nbytes), at
+        nbytes, at, *k_first = xpf
+        if at not in ("layer", "attention", "router") or int(nbytes) < 0 or len(k_first) > 1:
+            raise ValueError(f"expert_prefetch: (bytes >= 0, 'layer', 'attention' or 'router'[, k_first]), got {xpf!r}")
+        return int(nbytes), at, bool(k_first and k_first[0])
 
     def _predicted_ids(self, lw: LayerWeights) -> torch.Tensor:
         """The layer's ids buffer [MAX_DECODE_ROWS, k] int32 (-1 until its router writes rows): created
@@ -519,12 +519,12 @@ class FastModel(Model):
                 self._side_stream = torch.cuda.Stream(self.device)
         return buf
 
-    def _fork_prefetch(self, ids: torch.Tensor, w13: torch.Tensor, nbytes: int) -> None:
+    def _fork_prefetch(self, ids: torch.Tensor, w13: torch.Tensor, nbytes: int, k_first: bool) -> None:
         """The expert prefetch on the side stream, after everything enqueued so far on this one."""
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            _prefetch.expert_prefetch(ids, w13, nbytes)
+            _prefetch.expert_prefetch(ids, w13, nbytes, k_first=k_first)
 
     def _tables(self, positions: torch.Tensor) -> dict:
         """A pass's shared inputs: start_pos, and RoPE's cos / sin tables (unless rope_kv_write computes
@@ -570,7 +570,7 @@ class FastModel(Model):
             if xpf is not None:   # the prefetch of the experts this layer chose last time; the router writes ids
                 pred = self._predicted_ids(lw)
                 ids = pred[:T]
-                fork = lambda pred=pred, w13=lw.w13: self._fork_prefetch(pred, w13, xpf[0])
+                fork = lambda pred=pred, w13=lw.w13: self._fork_prefetch(pred, w13, xpf[0], xpf[2])
                 if xpf[1] == "layer":   # forked now, before the Q/K/V projection
                     fork()
                     fork = None

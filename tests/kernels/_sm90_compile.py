@@ -256,6 +256,7 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS, PF):
     w13 = torch.empty(128, 512, 6144, dtype=torch.uint8)
     ids = torch.zeros(8, 8, dtype=torch.int32)
     PF.expert_prefetch(ids, w13, 32 << 20)
+    PF.expert_prefetch(ids, w13, 32 << 20, k_first=True)
     m = PF.max_items(64, 128, 256, 6144, 32 << 20)
     PF.expert_prefetch(ids, w13, 32 << 20, dry=(torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int32),
                                                 torch.empty(1, dtype=torch.int32)), _bug=True)

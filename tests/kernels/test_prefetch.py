@@ -12,27 +12,32 @@ from .conftest import HAS_CUDA, load_kernels
 pf = load_kernels("prefetch")
 
 
-def expected_chunks(ids, E, I, H, budget, chunk):
+def expected_chunks(ids, E, I, H, budget, chunk, k_first=False):
     """(offset, size) of every chunk the module's description asks for, and the distinct count."""
     experts = sorted({int(e) for e in ids.flatten().tolist() if e >= 0})
     n = len(experts)
-    rows = min(I, budget // max(2 * n * H, 1))
-    span = rows * H
+    if k_first:   # every row's first seg bytes
+        seg = min(H, budget // max(n * 2 * I, 1)) // 16 * 16
+        starts = [row * H for row in range(2 * I)]
+    else:         # the first rows of the Gate and the Up half
+        seg = min(I, budget // max(2 * n * H, 1)) * H
+        starts = [0, I * H]
     out = []
     for e in experts:
-        for half in (0, 1):
-            for c in range(0, span, chunk):
-                out.append((e * 2 * I * H + half * I * H + c, min(chunk, span - c)))
+        for s in starts:
+            for c in range(0, seg, chunk):
+                out.append((e * 2 * I * H + s + c, min(chunk, seg - c)))
     return sorted(out), n
 
 
-def dry_chunks(ids, w13, budget, chunk, programs, bug=False):
+def dry_chunks(ids, w13, budget, chunk, programs, bug=False, k_first=False):
     E, two_i, H = w13.shape
-    m = pf.max_items(ids.numel(), E, two_i // 2, H, budget, chunk)
+    m = pf.max_items(ids.numel(), E, two_i // 2, H, budget, chunk, k_first)
     off = torch.full((m + 5,), -7, dtype=torch.int64, device=w13.device)
     size = torch.full((m + 5,), -7, dtype=torch.int32, device=w13.device)
     n = torch.full((1,), -7, dtype=torch.int32, device=w13.device)
-    pf.expert_prefetch(ids, w13, budget, programs=programs, chunk=chunk, dry=(off, size, n), _bug=bug)
+    pf.expert_prefetch(ids, w13, budget, programs=programs, chunk=chunk, k_first=k_first, dry=(off, size, n),
+                       _bug=bug)
     written = off != -7
     # the chunks are written from entry 0 on, without gaps; nothing past the end
     k = int(written.sum())
@@ -46,23 +51,27 @@ def check_chunks(got, want, w13):
     assert all(o % 16 == 0 and s % 16 == 0 and 0 <= o and o + s <= w13.numel() for o, s in got)
 
 
-CASES = [   # (E, I, H, ids, budget, chunk, programs)
+CASES = [   # (E, I, H, ids, budget, chunk, programs[, k_first])
     (16, 64, 256, [[3, 7, 1, 3], [9, -1, 7, 15]], 40_000, 1024, 3),         # 5 experts, partial rows
     (16, 64, 256, [[3, 7, 1, 3], [9, -1, 7, 15]], 10 ** 9, 4096, 2),        # budget above the experts' size
     (32, 32, 128, [[31, 0]], 3 * 128 * 2 + 5, 128, 1),                       # 1 row per half: the tail chunk
     (16, 64, 256, [[-1, -1]], 40_000, 1024, 4),                             # no prediction: nothing asked
     (16, 64, 256, [[2, 5]], 0, 1024, 4),                                    # no budget: nothing asked
     (128, 16, 64, [list(range(0, 128, 2))], 50_000, 512, 5),                # 64 experts of 128
+    (16, 64, 256, [[3, 7, 1, 3], [9, -1, 7, 15]], 40_000, 1024, 3, True),   # K first: 48-byte row heads
+    (16, 64, 256, [[3, 7, 1, 3], [9, -1, 7, 15]], 10 ** 9, 64, 7, True),    # whole rows in 4 chunks each
+    (16, 64, 256, [[2, 5]], 100, 1024, 2, True),                            # under 16 bytes a row: nothing
 ]
 
 
 def _run_case(device, case, bug=False):
-    E, I, H, ids, budget, chunk, programs = case
+    E, I, H, ids, budget, chunk, programs, *kf = case
+    k_first = bool(kf and kf[0])
     g = torch.Generator().manual_seed(0)
     w13 = torch.randint(0, 255, (E, 2 * I, H), generator=g, dtype=torch.uint8).to(device)
     ids_t = torch.tensor(ids, dtype=torch.int32, device=device)
-    got, n = dry_chunks(ids_t, w13, budget, chunk, programs, bug=bug)
-    want, n_want = expected_chunks(ids_t.cpu(), E, I, H, budget, chunk)
+    got, n = dry_chunks(ids_t, w13, budget, chunk, programs, bug=bug, k_first=k_first)
+    want, n_want = expected_chunks(ids_t.cpu(), E, I, H, budget, chunk, k_first)
     assert n == n_want
     check_chunks(got, want, w13)
 
@@ -74,12 +83,13 @@ def test_interp_expert_prefetch_ranges(case):
     _run_case("cpu", case)
 
 
-def test_interp_expert_prefetch_bug_rejected():
-    """Negative control: the last chunk of each range left out fails the same check."""
+@pytest.mark.parametrize("case", [0, 7])
+def test_interp_expert_prefetch_bug_rejected(case):
+    """Negative control: the last chunk of each range left out fails the same check (both layouts)."""
     if HAS_CUDA:
         pytest.skip("interpreter test (CPU machines)")
     with pytest.raises(AssertionError):
-        _run_case("cpu", CASES[0], bug=True)
+        _run_case("cpu", CASES[case], bug=True)
 
 
 def test_expert_prefetch_argument_checks():
@@ -104,9 +114,10 @@ def test_gpu_expert_prefetch_ranges(case):
 
 
 @pytest.mark.gpu
-def test_gpu_expert_prefetch_bug_rejected():
+@pytest.mark.parametrize("case", [0, 7])
+def test_gpu_expert_prefetch_bug_rejected(case):
     with pytest.raises(AssertionError):
-        _run_case("cuda", CASES[0], bug=True)
+        _run_case("cuda", CASES[case], bug=True)
 
 
 @pytest.mark.gpu
@@ -117,11 +128,13 @@ def test_gpu_expert_prefetch_in_graph_leaves_weights():
     w13 = torch.randint(0, 255, (128, 512, 6144), dtype=torch.uint8, device="cuda")
     before = w13.clone()
     ids = torch.randint(0, 128, (8, 8), dtype=torch.int32, device="cuda")
-    pf.expert_prefetch(ids, w13.view(torch.float8_e4m3fn), 32 << 20)
+    for k_first in (False, True):
+        pf.expert_prefetch(ids, w13.view(torch.float8_e4m3fn), 32 << 20, k_first=k_first)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        pf.expert_prefetch(ids, w13.view(torch.float8_e4m3fn), 32 << 20)
+        for k_first in (False, True):
+            pf.expert_prefetch(ids, w13.view(torch.float8_e4m3fn), 32 << 20, k_first=k_first)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
