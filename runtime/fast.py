@@ -252,11 +252,12 @@ class FastModel(Model):
         # bench_step.py --ab router_norm_apart measures the old way.
         self.fuse_router_norm = True
         # Expert prefetch (DESIGN.md "Kernels"; runtime/kernels/prefetch.py): None (the default), or
-        # (bytes, at[, k_first]) (k_first: expert_prefetch's layout): in each layer pass a launch on a side stream asks L2 for ``bytes`` of the Gate/Up
-        # weights of the experts that layer chose in its previous pass (its router writes them into a
-        # buffer per layer, _pred_ids), forked when the pass starts (at="layer"), before the attention
-        # split (at="attention") or before the router (at="router"). A measurement option (bench_step.py --ab xpf*) until a paired replay
-        # shows it pays; it applies where the router writes the ids (fuse_router_norm, compiled CUDA).
+        # (bytes, at[, k_first]) (k_first: expert_prefetch's layout). In each layer pass a launch on a
+        # side stream asks L2 for ``bytes`` of the Gate/Up weights of the experts that layer chose in
+        # its previous pass (its router writes them into a buffer per layer, _pred_ids), forked when the
+        # pass starts (at="layer"), before the attention split (at="attention") or before the router
+        # (at="router"). It applies where the router writes the ids (fuse_router_norm, compiled CUDA).
+        # A measurement option (bench_step.py --ab xpf*): session 45 measured every form slower.
         self.expert_prefetch: tuple | None = None
         self._pred_ids: dict[int, torch.Tensor] = {}
         self._side_stream = None

@@ -1,6 +1,12 @@
 """Expert prefetch: an L2 warm of the Gate/Up weights of predicted experts (DESIGN.md, "Kernels":
 "expert prefetch ... only where a paired replay shows it pays"). Off by default; a measurement
-option of the fast backend (``FastModel.expert_prefetch``) until a paired replay shows it pays.
+option of the fast backend (``FastModel.expert_prefetch``, ``bench_step.py --ab xpf*``).
+
+Verdict of session 45 (H200; experiments/notes/kernels.md): it does not pay, even with the oracle's
+prediction. In isolation (``ab_moe.py``) the MoE call with 32-48 MiB of its own experts' Gate/Up bytes
+read into L2 beforehand is only 1.4-2.9 us faster (of 56), while the prefetch's launch takes 14-25 us
+to retire; in the q1 step every placement and budget was slower (1.009 to 1.18 of the default's time;
+the side stream's fork alone 1.002-1.006). So no paired replay was run: there is nothing to qualify.
 
 What it is for. In the decode step the Gate/Up kernel reads ~114 MiB of E4M3 weights per layer pass
 (38 of the q1 shard's 128 experts at 3 MiB each) and nothing overlaps it, while the attention, the
