@@ -548,9 +548,9 @@ AB_VARIANTS = {
     # the expert prefetch (FastModel.expert_prefetch, runtime/kernels/prefetch.py; DESIGN.md "Kernels"):
     # per layer pass, a side-stream launch asks L2 for N MiB of the Gate/Up weights of the experts the
     # layer chose in its previous pass, forked when the pass starts (xpfN), before the attention split
-    # (xpfN_attn) or before the router (xpfN_router). The graph replays the same step, so the prediction is this pass's own routing: the
-    # oracle, the most a predictor could give. xpf0 launches the prefetch kernel with nothing to ask for
-    # (the fork's own cost)
+    # (xpfN_attn) or before the router (xpfN_router). The graph replays the same step, so the prediction
+    # is this pass's own routing: the oracle, the most a predictor could give. xpf0 launches the prefetch
+    # kernel with nothing to ask for (the fork's own cost). Session 45: every one slower (1.002-1.18)
     **{f"xpf{n}": (lambda rnd, n=n: _model_variant(rnd, expert_prefetch=(n << 20, "layer"), _pred_ids={},
                                                   _side_stream=None)) for n in (0, 4, 8, 16, 32, 64)},
     **{f"xpf{n}_{tag}": (lambda rnd, n=n, at=at: _model_variant(rnd, expert_prefetch=(n << 20, at), _pred_ids={},

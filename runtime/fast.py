@@ -72,6 +72,7 @@ installed: without them the interpreter multiplies BF16 storage bits); anything 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -497,8 +498,8 @@ class FastModel(Model):
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
 
     def _expert_prefetch_plan(self, fuse_rn: bool) -> tuple | None:
-        """(bytes, at) of ``expert_prefetch`` where it applies in this pass (the router writes the
-        per-layer ids: fuse_router_norm; compiled CUDA), else None."""
+        """(bytes, at, k_first) of ``expert_prefetch`` where it applies in this pass (the router writes
+        the per-layer ids: fuse_router_norm; compiled CUDA), else None."""
         xpf = self.expert_prefetch
         if xpf is None or not fuse_rn or not _prefetch.compiled_cuda(self.device):
             return None
@@ -567,18 +568,17 @@ class FastModel(Model):
             pl = torch.empty(_linear.fold_shape(wo.shape[0], wo.shape[1], E, r.device), dtype=torch.float32,
                              device=r.device)
         for i, (lw, c) in enumerate(zip(layers, caches)):
-            routed, ids, fork = None, None, None
+            routed, ids, split_fork, router_fork = None, None, None, None
             if xpf is not None:   # the prefetch of the experts this layer chose last time; the router writes ids
                 pred = self._predicted_ids(lw)
                 ids = pred[:T]
-                fork = lambda pred=pred, w13=lw.w13: self._fork_prefetch(pred, w13, xpf[0], xpf[2])
-                if xpf[1] == "layer":   # forked now, before the Q/K/V projection
+                fork = functools.partial(self._fork_prefetch, pred, lw.w13, xpf[0], xpf[2])
+                if xpf[1] == "layer":          # now, before the Q/K/V projection
                     fork()
-                    fork = None
-            if xpf is not None and xpf[1] == "router":   # forked after the output projection, before the router
-                split_fork, router_fork = None, fork
-            else:
-                split_fork, router_fork = fork, None
+                elif xpf[1] == "attention":    # between rope_kv_write and the attention split
+                    split_fork = fork
+                else:                          # after the output projection, before the router
+                    router_fork = fork
             if folded:   # r += attention and the router's partial products in the projection
                 self._attention_fast(lw, h, positions, c, tab, residual=(r, ssq), fold=(lw.router, lw.ln2, pl),
                                      before_split=split_fork)

@@ -886,11 +886,10 @@ def test_gpu_step_is_sync_free(mini_pair):
     assert int(st.step) == 1 and int(st.n_drafts) == 7
 
 
-@pytest.mark.gpu
-def test_gpu_fast_step_is_graph_capturable(mini_pair):
-    """One step captured as a CUDA graph replays to the same state as the eager step."""
-    _, fast = mini_pair
-    rnd, st = fast.start(code_prompt(3), 0, 32)
+def one_step(eng):
+    """(rnd, st, step, restore) of a started code-prompt round on ``eng``: step() runs one whole step
+    (verify, five drafts), restore() puts the state and the caches back to where they started."""
+    rnd, st = eng.start(code_prompt(3), 0, 32)
     w = st.width()
     st0, cache0 = clone_state(st), copy.deepcopy(rnd.cache)
 
@@ -904,6 +903,15 @@ def test_gpu_fast_step_is_graph_capturable(mini_pair):
         for f in dataclasses.fields(st):
             getattr(st, f.name).copy_(getattr(st0, f.name))
         copy_caches(rnd.cache, cache0)
+
+    return rnd, st, step, restore
+
+
+@pytest.mark.gpu
+def test_gpu_fast_step_is_graph_capturable(mini_pair):
+    """One step captured as a CUDA graph replays to the same state as the eager step."""
+    _, fast = mini_pair
+    rnd, st, step, restore = one_step(fast)
 
     with torch.no_grad():
         step()
@@ -934,21 +942,8 @@ def test_gpu_expert_prefetch_changes_no_value(mini_pair, at):
     [0, E) per live row, -1 beyond). Control: with fuse_router_norm off the prefetch does not apply and
     no buffer is made (so the buffers' check sees whether the prefetch ran)."""
     _, fast = mini_pair
-    rnd, st = fast.start(code_prompt(3), 0, 32)
-    model = rnd.model
-    w = st.width()
-    st0, cache0 = clone_state(st), copy.deepcopy(rnd.cache)
-
-    def step():
-        rnd.verify(st, w)
-        rnd.draft_first(st, w)
-        for k in range(2, 6):
-            rnd.draft_next(st, k)
-
-    def restore():
-        for f in dataclasses.fields(st):
-            getattr(st, f.name).copy_(getattr(st0, f.name))
-        copy_caches(rnd.cache, cache0)
+    rnd, st, step, restore = one_step(fast)
+    model, w = rnd.model, st.width()
 
     with torch.no_grad():
         step()
