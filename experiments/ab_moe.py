@@ -123,13 +123,8 @@ def _warm_kernel(w_ptr, offs_ptr, sizes_ptr, sink_ptr, WARM_BLOCK: tl.constexpr)
     j = tl.arange(0, WARM_BLOCK)
     for k in range(0, size // 4, WARM_BLOCK):
         acc ^= tl.load(base + k + j, mask=k + j < size // 4, other=0)
-    x = tl.reduce(acc, 0, _xor)
+    x = tl.xor_sum(acc, 0)
     tl.store(sink_ptr, x, mask=(x == 0x7FFFFFFF) & (size < 0))
-
-
-@triton.jit
-def _xor(a, b):
-    return a ^ b
 
 
 def _calls(name, data):

@@ -27,8 +27,9 @@ contiguous ranges of rows_f * H bytes; the Gate/Up program of those columns then
 tiles in L2). With ``k_first`` the budget goes instead to the first seg = min(H, B / (n 2I)) bytes
 (a multiple of 16) of every one of the expert's 2I rows: every Gate/Up program then finds its first K
 steps in L2 (the Gate/Up's programs are all resident at once and each is limited by its own stream's
-rate, so warming some programs entirely leaves the others as slow as before: session 45). The ranges are cut into chunks of CHUNK bytes and spread over the grid; each chunk is
-one ``cp.async.bulk.prefetch.L2.global`` (the TMA engine; no register written, nothing waited for, no
+rate, so warming some programs entirely leaves the others as slow as before: session 45). The ranges
+are cut into chunks of CHUNK bytes and spread over the grid; each chunk is one
+``cp.async.bulk.prefetch.L2.global`` (the TMA engine; no register written, nothing waited for, no
 value returned: a prefetch can never hand a kernel stale data, so a prediction that is wrong or
 racing the router's write costs bandwidth, never correctness). ``dry=`` (offsets, sizes) stores what
 would be asked for instead (the interpreter has no inline PTX): the tests check the ranges there.
@@ -122,9 +123,9 @@ def expert_prefetch(ids: torch.Tensor, w13: torch.Tensor, budget: int, *, progra
     docstring. One launch of ``programs`` one-warp programs (default the SM count), no host
     synchronisation. ``chunk``: bytes per bulk prefetch (a multiple of 16). ``k_first``: the budget as the
     first columns of every row of each expert (every Gate/Up program's first K steps) instead of the
-    first rows of its two halves (some programs' every step). ``dry`` = (offsets int64, sizes int32, n int32 [1]): store each chunk's byte
-    offset into w13 and size instead (entries past the count are left as they were), and the count
-    of distinct experts. ``_bug``: negative control (the last chunk of each range left out)."""
+    first rows of its two halves (some programs' every step). ``dry`` = (offsets int64, sizes int32,
+    n int32 [1]): store each chunk's byte offset into w13 and size instead (entries past the count are
+    left as they were), and the count of distinct experts. ``_bug``: negative control (the last chunk of each range left out)."""
     check(ids.dtype == torch.int32 and ids.is_contiguous(), "ids: int32, contiguous")
     check(w13.dim() == 3 and w13.element_size() == 1 and w13.is_contiguous(), "w13: [E, 2I, H], one byte, contiguous")
     E, two_i, H = w13.shape
