@@ -120,14 +120,19 @@ def time_step(step, restore, reps: int, warmup: int) -> dict:
             "host_ms": statistics.median(hs) * 1e3, "reps": reps}
 
 
-# Kernel-name patterns -> the part of the step they belong to (first match wins; --profile).
+# Kernel-name patterns -> the part of the step they belong to (first match wins; --profile). Every Triton
+# kernel of runtime/ has a part (tests/test_bench_tools.py checks it): session 47 found the folded router
+# (`_route_folded_kernel`, the default since session 44) under "other".
 KERNEL_PARTS = (
     ("attention split", ("_attn_split",)), ("attention combine", ("_attn_combine",)),
     ("attention (fused)", ("_attn_fused",)), ("rope + kv write", ("_rope_kv",)),
-    ("router", ("_router",)), ("projections (skinny_linear)", ("_linear_kernel",)),
+    ("rope tables", ("_rope_tables",)),
+    ("router", ("_router", "_route_folded")), ("projections (skinny_linear)", ("_linear_kernel",)),
     ("moe gate/up", ("_moe_gate_up",)), ("moe down", ("_moe_down",)),
-    ("moe reduce", ("_moe_reduce",)), ("add + rmsnorm", ("_add_rmsnorm", "rmsnorm")),
+    ("moe reduce", ("_moe_reduce",)), ("moe grouping", ("_groups_kernel",)),
+    ("expert prefetch", ("_expert_prefetch",)), ("add + rmsnorm", ("_add_rmsnorm", "rmsnorm")),
     ("sampler", ("_sample", "_topk_", "_topp")), ("uniforms", ("_uniform_kernel",)),
+    ("round state", ("_take_draft", "_settle_kernel")),
     ("dense GEMM (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("torch topk/sort", ("topk", "sort", "radix")), ("torch softmax", ("softmax",)),
     ("torch reduce", ("reduce_kernel",)), ("torch copy/cast/fill", ("copy", "fill", "cast")),

@@ -176,3 +176,22 @@ def test_a_variant_reaches_the_rounds_hooks():
     rnd._take_draft_hook = None                       # torch_draft_update's change survives a later variant
     bench_step.apply_variants(rnd, "sampler_max")
     assert rnd._take_draft_hook is None and rnd._sample_rows() == {"select": "max"}
+
+
+def test_every_runtime_kernel_has_a_profile_part():
+    """bench_step.py --profile files each kernel under a part of the step by its name. Every Triton
+    kernel defined under runtime/ must land in a named part, not "other" (the folded router did, from
+    session 44 to 47, and its time was missing from the router's row). Negative control: a name no
+    pattern knows is "other"."""
+    import pathlib
+    import re
+
+    import bench_step
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "runtime"
+    names = sorted({m for f in root.rglob("*.py") for m in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)})
+    assert "_route_folded_kernel" in names and len(names) >= 20
+    unfiled = [n for n in names if bench_step.kernel_part(n) == "other"]
+    assert unfiled == []
+    assert bench_step.kernel_part("_route_folded_kernel") == "router"
+    assert bench_step.kernel_part("_brand_new_kernel") == "other"
