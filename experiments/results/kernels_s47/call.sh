@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 47's device call: bash experiments/results/kernels_s47/call.sh callN, with STEPS (any of gtest bench step
-# stepab), GTESTS (pytest arguments; default: the whole GPU suite), ONLY (bench_kernels --no-sweep; default: every
-# kernel), STEPAB / STEPCTX / STEPBUDGET (bench_step.py) and the *TIMEOUT variables in the environment.
+# Session 47's device call: bash experiments/results/kernels_s47/call.sh callN, with STEPS (any of gtest bench step),
+# GTESTS (pytest arguments; default: the whole GPU suite), ONLY (bench_kernels --no-sweep; default: every kernel),
+# STEPCTX / STEPBUDGET (bench_step.py --profile) and the *TIMEOUT variables in the environment.
 # Writes under $OUT/callN: rev.txt, one log per step, steps.txt, results.tgz.
 set -u
 c=$OUT/$1; mkdir -p "$c"
@@ -16,9 +16,6 @@ for s in ${STEPS:-gtest bench step}; do
              --only ${ONLY:-attention,moe,norm,rope,router,sampler,uniform,linear} > "$c/bench.log" 2>&1 ;;
     step) OUT=$c/step PYTHONUNBUFFERED=1 timeout ${STEPTIMEOUT:-150} python3 experiments/bench_step.py \
             --budget-s ${STEPBUDGET:-100} --no-mini --contexts ${STEPCTX:-8192,65536} --profile > "$c/step.log" 2>&1 ;;
-    stepab) OUT=$c/stepab PYTHONUNBUFFERED=1 timeout ${STEPTIMEOUT:-300} python3 experiments/bench_step.py \
-              --budget-s ${STEPBUDGET:-200} --no-mini --contexts ${STEPCTX:-8192,65536} \
-              --ab ${STEPAB:-default_again} > "$c/stepab.log" 2>&1 ;;
   esac
   echo "$s: exit $? in $(( $(date +%s) - t )) s" | tee -a "$c/steps.txt"
 done
