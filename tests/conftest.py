@@ -1,5 +1,7 @@
 import dataclasses
 import functools
+import importlib
+import os
 
 import pytest
 import torch
@@ -47,3 +49,24 @@ def small_vocab_engine():
     often enough to exercise every branch of the round."""
     return make_engine(tiny_cfg(vocab_size=32, num_layers=2, layer_pattern=("sliding", "full")),
                        draft={"policy": "fixed", "fixed_depth": 5})
+
+
+# the kernel modules runtime.fast calls (the ``interp`` fixture re-executes any imported under the compiler)
+KERNEL_MODULES = ("attention", "moe", "norm", "sampler", "linear", "uniform", "rope", "router", "round_state")
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """CPU: the kernels in the Triton interpreter (TRITON_INTERPRET=1 and the shims set up at import by
+    the test module that asks for this); kernel modules imported earlier under the compiler are
+    re-executed in place so that runtime.fast sees interpreted ones."""
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(std.cdiv, InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 in this process")
+    for name in KERNEL_MODULES:
+        mod = importlib.import_module(f"runtime.kernels.{name}")
+        jitted = [v for v in vars(mod).values() if hasattr(v, "fn") and hasattr(v, "arg_names")]
+        if any(not isinstance(v, InterpretedFunction) for v in jitted):
+            importlib.reload(mod)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
 import os
 
 import pytest
@@ -38,7 +37,6 @@ torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 LOGITS_BOUND = 0.05
-KERNEL_MODULES = ("attention", "moe", "norm", "sampler", "linear", "uniform", "rope", "router", "round_state")
 
 if not HAS_CUDA:
     # As tests/kernels/conftest.py: the interpreter must be on before triton is first imported (its
@@ -87,22 +85,6 @@ def restored_pair(ref_engine, fast_model, prompt, budget=64, seed=0):
     cache = fast_model.new_cache(ref_engine.capacity_for(len(prompt), budget))
     copy_caches(cache, rnd.cache)
     return rnd, st, cache
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """CPU: the kernels in the Triton interpreter (set up at import, above); kernel modules imported
-    earlier under the compiler are re-executed in place so that runtime.fast sees interpreted ones."""
-    import triton.language.standard as std
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(std.cdiv, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 in this process")
-    for name in KERNEL_MODULES:
-        mod = importlib.import_module(f"runtime.kernels.{name}")
-        jitted = [v for v in vars(mod).values() if hasattr(v, "fn") and hasattr(v, "arg_names")]
-        if any(not isinstance(v, InterpretedFunction) for v in jitted):
-            importlib.reload(mod)
 
 
 def tiny2(**changes):

@@ -29,25 +29,19 @@ import socket
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    # As tests/test_fast_backend.py: the interpreter on before triton is first imported. The spawned
-    # ranks import this module first, so they start the same way.
-    os.environ["TRITON_INTERPRET"] = "1"
-    from tests.kernels import _interp
+# tests/test_fast_backend.py sets up the interpreter at import where there is no CUDA (the spawned ranks
+# import this module, hence that one, first, so they start the same way); its bound and helpers:
+from tests.test_fast_backend import HAS_CUDA, LOGITS_BOUND, copy_caches, rel_err, verify_logits
 
-    _interp.install()
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from runtime.checkpoint import random_tensors
+from runtime.config import TPConfig, load_model_config, runtime_config_from_dict
+from runtime.engine import Engine
+from runtime.nosync import forbid_host_sync
+from runtime.parallel import EmulatedComm
 
-from runtime.checkpoint import random_tensors  # noqa: E402
-from runtime.config import TPConfig, load_model_config, runtime_config_from_dict  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.nosync import forbid_host_sync  # noqa: E402
-from runtime.parallel import EmulatedComm  # noqa: E402
-
-LOGITS_BOUND = 0.05      # tests/test_fast_backend.py's bound (its docstring says why 5 %)
 W = 6                    # verify rows
 DRAFT = {"policy": "fixed", "fixed_depth": 5}
 
@@ -66,21 +60,6 @@ def model_cfg(name: str):
 def prompt_for(cfg, n=300):
     g = torch.Generator().manual_seed(n)
     return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
-
-
-def copy_caches(dst, src):
-    for a, b in zip(dst.all, src.all):
-        a.k.copy_(b.k)
-        a.v.copy_(b.v)
-        a.labels.copy_(b.labels)
-
-
-def verify_logits(model, cache, st, w):
-    import copy
-
-    pos = st.start + torch.arange(w, device=st.tokens.device)
-    with torch.no_grad():
-        return model.logits(model.forward(st.tokens[:w], pos, copy.deepcopy(cache), mode="decode"))
 
 
 def _free_port() -> int:
@@ -151,19 +130,14 @@ def single_rank(spec):
             "fast": verify_logits(fast.model, cache, st, W).cpu()}
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("inf")
-
-
 def run_tp2(tmp_path, spec):
     mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), spec), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
     one = single_rank(spec)
     # the precondition: both runs verify the same rows (the FP32 prefills picked the same tokens)
     assert torch.equal(r0["tokens_in"], one["tokens_in"]) and torch.equal(r1["tokens_in"], one["tokens_in"])
-    e_ref, e_fast, e_alone = rel(r0["fast"], one["ref"]), rel(r0["fast"], one["fast"]), rel(r0["alone"], one["ref"])
-    e_fast1 = rel(one["fast"], one["ref"])
+    e_ref, e_fast1 = rel_err(r0["fast"], one["ref"]), rel_err(one["fast"], one["ref"])
+    e_fast, e_alone = rel_err(r0["fast"], one["fast"]), rel_err(r0["alone"], one["ref"])
     print(f"TP=2 {spec}: fast vs FP32 reference {e_ref:.4f} (single-rank fast {e_fast1:.4f}); vs single-rank "
           f"fast {e_fast:.4f}; collectives dropped {e_alone:.4f}; tokens {r0['tokens']}")
     assert torch.equal(r0["fast"], r1["fast"])          # one gathered result, whichever rank reads it
@@ -176,7 +150,7 @@ def run_tp2(tmp_path, spec):
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs where there is no CUDA; the GPU tests cover it there")
 @pytest.mark.slow
-def test_interpreted_fast_backend_tp2_over_gloo(tmp_path):
+def test_interpreted_fast_backend_tp2_over_gloo(tmp_path, interp):
     r0, r1, _ = run_tp2(tmp_path, {"device": "cpu", "dist": "gloo", "model": "tiny", "prompt": 40,
                                    "new_tokens": 8})
     assert r0["slice"] == (0, 256) and r1["slice"] == (256, 512)
