@@ -523,6 +523,12 @@ AB_VARIANTS = {
     # one-launch draft update and settle off: since session 36 (_set_model); before, Round's hooks kept
     # them on, so earlier torch_glue A/Bs measured the passes' glue only)
     "torch_glue": lambda rnd: _model_variant(rnd, fused_glue=False),
+    # the paths a rank takes when it has real peers (FastModel._has_peers() true; under rank emulation it
+    # is false): the output projection's residual add, the pre-MoE norm, the routing (rounded, not folded)
+    # and the MoE's norm apart from the kernels before them, the draft update and the sampling in torch
+    # (filter_dist, the candidates' all-gather). The collectives stay emulation's no-ops, so the ratio is
+    # what a real TP rank pays today for the fusions it cannot use, communication excluded (session 48)
+    "peer_paths": lambda rnd: _model_variant(rnd, _has_peers=lambda: True),
     # the sampler selecting its top 20 by max-reductions (the way before session 36) / bitonic sort
     # instead of by ranks (kernels.sampler_options select; sampler.SELECT)
     **{f"sampler_{n}": (lambda rnd, n=n: _model_variant(rnd, _sampler_options={**rnd.model._sampler_options,

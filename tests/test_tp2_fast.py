@@ -172,3 +172,45 @@ def test_gpu_fast_backend_tp2(tmp_path, model, prompt):
         assert r0["shard"] == (24, 4, 1024) and r1["slice"] == (80000, 160000)
     if spec["dist"] == "nccl":
         assert r0["sync_free_drafts"] == r1["sync_free_drafts"] == 5
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs where there is no CUDA")
+def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
+    """``bench_step.py --ab peer_paths`` times, under rank emulation, the paths a rank with real peers
+    takes (the ones the gloo test above runs). One verify and one draft of a rank-emulated q1-tiny: the
+    default calls the folded router and the sampler's kernel; the variant neither, and the add + RMSNorm
+    kernel more often (the norms its fusions would have done). The default is the negative control."""
+    import collections
+    import functools
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
+    import bench_step
+    import runtime.fast as fastmod
+
+    cfg = model_cfg("tiny")
+    rt = runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16", "draft": DRAFT,
+                                   "tp": {"size": 2, "emulate_rank": 0}})
+    eng = Engine(cfg, rt, dict(random_tensors(cfg, rt.tp, seed=0)))
+    spied = ((fastmod._sampler, "sample_topk_topp"), (fastmod._router, "route_folded"),
+             (fastmod._norm, "fused_add_rmsnorm"))
+    counts = {}
+    for arm in ("default", "peer_paths"):
+        rnd, st = eng.start(prompt_for(cfg, 40), 0, 16)
+        bench_step.apply_variants(rnd, arm)
+        calls = collections.Counter()
+        with pytest.MonkeyPatch.context() as m:
+            for mod, name in spied:
+                def spy(*a, _fn=getattr(mod, name), _name=name, **k):
+                    calls[_name] += 1
+                    return _fn(*a, **k)
+                m.setattr(mod, name, functools.wraps(getattr(mod, name))(spy))
+            with torch.no_grad():
+                rnd.verify(st, st.width())
+                rnd.draft_first(st, st.width())
+        counts[arm] = calls
+    print(counts)
+    d, p = counts["default"], counts["peer_paths"]
+    assert d["route_folded"] == cfg.num_layers + cfg.mtp_layers and d["sample_topk_topp"] >= 2   # verify, draft
+    assert p["route_folded"] == 0 and p["sample_topk_topp"] == 0
+    assert p["fused_add_rmsnorm"] > d["fused_add_rmsnorm"]
