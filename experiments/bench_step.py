@@ -60,6 +60,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import platform
 import random
@@ -83,6 +84,7 @@ from runtime.config import DraftConfig, SamplingConfig, TPConfig, load_model_con
 from runtime.engine import Engine  # noqa: E402
 from runtime.fast import FastModel  # noqa: E402
 from runtime.kernels.linear import skinny_linear  # noqa: E402
+from runtime.kernels import sampler as sampler_kernels  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from runtime.parallel import make_comm  # noqa: E402
 from runtime.speculative import DecodeState, Round  # noqa: E402
@@ -308,6 +310,13 @@ def _router(rnd: Round, **kw) -> None:
                    kernels=dataclasses.replace(rnd.model.kernels, routing="rounded"))
 
 
+def _one_stage(m, logits, u, s):
+    """``sampler_one_stage``'s sampling: the sampler's kernel on this rank's slice alone, its ids made global."""
+    ids, probs, tok, idx = sampler_kernels.sample_topk_topp(logits, u, s.temperature, s.top_k, s.top_p,
+                                                            **m._sampler_options)
+    return ids + m.shard.vocab_start, probs, tok + m.shard.vocab_start, idx
+
+
 def _stale(fn, cache: dict, key=None):
     """``fn``'s result on its first call per key (by default the shapes of its tensor arguments,
     positional and keyword), computed with real values during the eager warm-up, then that same
@@ -525,10 +534,16 @@ AB_VARIANTS = {
     "torch_glue": lambda rnd: _model_variant(rnd, fused_glue=False),
     # the paths a rank takes when it has real peers (FastModel._has_peers() true; under rank emulation it
     # is false): the output projection's residual add, the pre-MoE norm, the routing (rounded, not folded)
-    # and the MoE's norm apart from the kernels before them, the draft update and the sampling in torch
-    # (filter_dist, the candidates' all-gather). The collectives stay emulation's no-ops, so the ratio is
-    # what a real TP rank pays today for the fusions it cannot use, communication excluded (session 48)
+    # and the MoE's norm apart from the kernels before them (the all-reduce must come between). The
+    # collectives stay emulation's no-ops, so the ratio is what a real TP rank pays for the fusions it
+    # cannot use, communication excluded. Session 48: 1.154 / 1.150 at 8K / 64K while the sampling and the
+    # draft update also went to torch with peers; since, they take the kernels in two stages with or
+    # without peers (FastModel._sample_fast)
     "peer_paths": lambda rnd: _model_variant(rnd, _has_peers=lambda: True),
+    # the sampling of a rank-emulated step in one stage: the rank's own top k drawn from directly, no
+    # second stage over the (here one rank's) gathered candidates (the emulated step's way before session
+    # 48; since, FastModel._sample_fast runs both stages under any TP, as a real rank must)
+    "sampler_one_stage": lambda rnd: _model_variant(rnd, _sample_fast=functools.partial(_one_stage, rnd.model)),
     # the sampler selecting its top 20 by max-reductions (the way before session 36) / bitonic sort
     # instead of by ranks (kernels.sampler_options select; sampler.SELECT)
     **{f"sampler_{n}": (lambda rnd, n=n: _model_variant(rnd, _sampler_options={**rnd.model._sampler_options,

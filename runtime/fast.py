@@ -652,30 +652,46 @@ class FastModel(Model):
 
     def take_draft(self, st, logits: torch.Tensor, u: torch.Tensor, g: torch.Tensor, k: int,
                    s: SamplingConfig, draft: DraftConfig) -> bool:
-        """Round's draft-update hook: with the fast sampler and the fused glue (and no peers), the
-        sampler's kernel on the draft row's logits, then one launch (``take_draft``) for the state
-        writes of Round._take_draft (tokens, proposal, g, log-probability, entropy, depth, log column,
-        the policy's decision); returns True. False (the round's torch sequence runs) otherwise."""
-        if self.kernels.sampler == "reference" or self._has_peers() or not self.fused_glue or logits.shape[0] != 1:
+        """Round's draft-update hook: with the fast sampler and the fused glue, the sampler's kernel on
+        the draft row's logits (``_sample_fast``: with peers in two stages), then one launch
+        (``take_draft``) for the state writes of Round._take_draft (tokens, proposal, g,
+        log-probability, entropy, depth, log column, the policy's decision); returns True. False (the
+        round's torch sequence runs) otherwise."""
+        if self.kernels.sampler == "reference" or not self.fused_glue or logits.shape[0] != 1:
             return False
-        ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
-                                                         s.top_k, s.top_p, **self._sampler_options)
+        ids, probs, tok, idx = self._sample_fast(logits.contiguous(), u.float(), s)
         decided = continue_decided(draft, k)
         mode = _round.CONT_RULE if decided is None else (_round.CONT_ALWAYS if decided else _round.CONT_NEVER)
         r = draft.stop_rule
-        _round.take_draft(st, ids, probs, tok, idx, g, k, mode, vocab_start=self.shard.vocab_start,
+        _round.take_draft(st, ids, probs, tok, idx, g, k, mode, vocab_start=0,
                           log_prob_min=r.log_prob_min, entropy_max=r.entropy_max, log_col=LOG_NEXT_DRAFTS,
                           _logp_bug=self.broken == "draft_logp_bug")
-        if self.comm.size > 1:
-            self.comm.all_gather(st.q_ids[k:k + 1])   # emulation: the candidate exchange, counted as excluded
         return True
+
+    def _sample_fast(self, logits: torch.Tensor, u: torch.Tensor, s: SamplingConfig):
+        """(ids [T, k] int32 global token ids, probs [T, k] fp32, token [T] int32 global, index [T]
+        int32) by the sampler's kernel. Under tensor parallelism (comm.size > 1; rank emulation runs the
+        same launches, its exchange a counted no-op) in two stages, as DESIGN.md's "each rank takes a
+        local top-20 of its vocabulary slice, candidates are exchanged, every rank selects the same
+        token": ``rank_candidates`` (the kernel's top k of this rank's slice), gathered from every rank in
+        rank order, then ``sample_candidates`` (the kernel again over the R x k candidates), which gives
+        filter_dist + draw's ids, probabilities and draw exactly (sampler.py says why).
+        ``_sampler_options`` tune the first stage (a whole slice), not the second."""
+        if self.comm.size == 1:
+            return _sampler.sample_topk_topp(logits, u, s.temperature, s.top_k, s.top_p, **self._sampler_options)
+        T = logits.shape[0]
+        z, ids = _sampler.rank_candidates(logits, u, s.temperature, s.top_k, s.top_p,
+                                          vocab_start=self.shard.vocab_start, **self._sampler_options)
+        z = self.comm.all_gather(z).permute(1, 0, 2).reshape(T, -1)
+        ids = self.comm.all_gather(ids).permute(1, 0, 2).reshape(T, -1)
+        return _sampler.sample_candidates(z, ids, u, s.top_k, s.top_p, select=self._sampler_options.get("select"))
 
     def sample_rows(self, logits: torch.Tensor, u: torch.Tensor | None, s: SamplingConfig):
         """(ids [T, k] int64 global token ids, probs [T, k] fp32, token [T] int64, index [T] int64) of
         the served distribution of each row and its draw with the uniforms u [T] (u None: the draw is
         meaningless, only the distribution is wanted)."""
         T = logits.shape[0]
-        if self.kernels.sampler == "reference" or self._has_peers():
+        if self.kernels.sampler == "reference":
             ids, probs = filter_dist(logits, s.temperature, s.top_k, s.top_p, self.shard.vocab_start, self.comm)
             if u is None:
                 return ids, probs, ids[:, 0], torch.zeros_like(ids[:, 0])
@@ -683,14 +699,8 @@ class FastModel(Model):
             return ids, probs, tok, idx
         if u is None:
             u = self._u0[:T] if T <= MAX_DECODE_ROWS else torch.zeros(T, device=logits.device)
-        ids, probs, tok, idx = _sampler.sample_topk_topp(logits.contiguous(), u.float(), s.temperature,
-                                                         s.top_k, s.top_p, **self._sampler_options)
-        ids, tok = ids.long(), tok.long()
-        if self.shard.vocab_start:
-            ids, tok = ids + self.shard.vocab_start, tok + self.shard.vocab_start
-        if self.comm.size > 1:
-            self.comm.all_gather(ids)    # emulation: the candidate exchange, counted as excluded
-        return ids, probs, tok, idx.long()
+        ids, probs, tok, idx = self._sample_fast(logits.contiguous(), u.float(), s)
+        return ids.long(), probs, tok.long(), idx.long()
 
 
 def _check_shapes(cfg: ModelConfig, shard: Shard) -> None:

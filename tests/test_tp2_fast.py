@@ -178,8 +178,10 @@ def test_gpu_fast_backend_tp2(tmp_path, model, prompt):
 def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     """``bench_step.py --ab peer_paths`` times, under rank emulation, the paths a rank with real peers
     takes (the ones the gloo test above runs). One verify and one draft of a rank-emulated q1-tiny: the
-    default calls the folded router and the sampler's kernel; the variant neither, and the add + RMSNorm
-    kernel more often (the norms its fusions would have done). The default is the negative control."""
+    default calls the folded router; the variant does not, and calls the add + RMSNorm kernel more often
+    (the norms its fusions would have done). Both sample with the kernel in two stages (two calls per
+    sampling: the rank's candidates, then the draw over every rank's); ``sampler_one_stage`` in one, to
+    the same state. The default is the negative control."""
     import collections
     import functools
     import sys
@@ -194,8 +196,8 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     eng = Engine(cfg, rt, dict(random_tensors(cfg, rt.tp, seed=0)))
     spied = ((fastmod._sampler, "sample_topk_topp"), (fastmod._router, "route_folded"),
              (fastmod._norm, "fused_add_rmsnorm"))
-    counts = {}
-    for arm in ("default", "peer_paths"):
+    counts, states = {}, {}
+    for arm in ("default", "peer_paths", "sampler_one_stage"):
         rnd, st = eng.start(prompt_for(cfg, 40), 0, 16)
         bench_step.apply_variants(rnd, arm)
         calls = collections.Counter()
@@ -208,9 +210,15 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
             with torch.no_grad():
                 rnd.verify(st, st.width())
                 rnd.draft_first(st, st.width())
-        counts[arm] = calls
+        counts[arm], states[arm] = calls, st
     print(counts)
     d, p = counts["default"], counts["peer_paths"]
-    assert d["route_folded"] == cfg.num_layers + cfg.mtp_layers and d["sample_topk_topp"] >= 2   # verify, draft
-    assert p["route_folded"] == 0 and p["sample_topk_topp"] == 0
+    assert d["route_folded"] == cfg.num_layers + cfg.mtp_layers   # the verify pass's layers, the draft's
+    assert d["sample_topk_topp"] == p["sample_topk_topp"] == 2 * 2     # verify and draft, two stages each
+    assert p["route_folded"] == 0
+    # sampler_one_stage: the emulated rank's old sampling, its own top k drawn from directly; with one
+    # rank's candidates the second stage must change nothing
+    assert counts["sampler_one_stage"]["sample_topk_topp"] == 2
+    for name in ("tokens", "q_ids", "q_probs", "out", "accepted"):
+        assert torch.equal(getattr(states["default"], name), getattr(states["sampler_one_stage"], name)), name
     assert p["fused_add_rmsnorm"] > d["fused_add_rmsnorm"]

@@ -155,9 +155,12 @@ def _sample_kernel(
     TILE_ROWS: tl.constexpr, TEMP_IS_PTR: tl.constexpr, TEMP_PER_ROW: tl.constexpr,
     TOPP_BUG: tl.constexpr, BITONIC: tl.constexpr, RANK: tl.constexpr, G1: tl.constexpr,
     CMAX_: tl.constexpr, FORCE: tl.constexpr,
+    CAND: tl.constexpr = False, vocab_start=0, MAP=None, stride_map=0, MAPPED: tl.constexpr = False,
 ):
     """RANK: both selections by ``_topk_threshold`` (pass 1's groups of G1 chunk maxima, 0: ranked
-    directly; pass 2's groups: the gathered chunks), else by ``_select``; FORCE: its tests' switch."""
+    directly; pass 2's groups: the gathered chunks), else by ``_select``; FORCE: its tests' switch.
+    CAND (``rank_candidates``): IDS gets the top K's global ids (+ vocab_start) and PROBS their z;
+    MAPPED (``sample_candidates``): the row's ids are indices into MAP's row of global ids."""
     row = tl.program_id(0)
     if TEMP_IS_PTR:
         if TEMP_PER_ROW:
@@ -219,15 +222,21 @@ def _sample_kernel(
     first = tl.min(tl.where(hit, offs_k, KP), 0)
     last_kept = tl.max(tl.where(keep, offs_k, -1), 0)
     chosen = tl.where(first < KP, first, last_kept)
+    if MAPPED:
+        ids = tl.load(MAP + row * stride_map + ids, mask=valid, other=0)
     token = tl.sum(tl.where(offs_k == chosen, ids, 0), 0)
-    tl.store(IDS + row * stride_ids + offs_k, ids, mask=valid)
-    tl.store(PROBS + row * stride_probs + offs_k, q, mask=valid)
+    if CAND:
+        tl.store(IDS + row * stride_ids + offs_k, ids + vocab_start, mask=valid)
+        tl.store(PROBS + row * stride_probs + offs_k, zt, mask=valid)
+    else:
+        tl.store(IDS + row * stride_ids + offs_k, ids, mask=valid)
+        tl.store(PROBS + row * stride_probs + offs_k, q, mask=valid)
     tl.store(TOKEN + row, token)
     tl.store(INDEX + row, chosen)
 
 
 def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, _topp_bug=False,
-                     select=None, nch=None, tile_elems=None, num_warps=None, _force=0):
+                     select=None, nch=None, tile_elems=None, num_warps=None, _force=0, _cand=None, _map=None):
     """Sample one token per row. logits [w, V] fp32 or bf16; u [w] fp32 in [0, 1); temperature a
     Python number or a device tensor (one value, or [w]). Returns (ids [w, top_k] int32 sorted by
     probability, probs [w, top_k] fp32 filtered and renormalised, token [w] int32, index [w] int32).
@@ -237,6 +246,8 @@ def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, 
     value): ``select`` (SELECTS, default SELECT),
     ``nch`` strided chunks (a power of two, default ``_chunk_count(V)``), ``tile_elems``
     elements per pass-1 step (default TILE_ELEMS), ``num_warps`` (default NUM_WARPS).
+    ``_cand`` (vocab_start) and ``_map`` (global ids [w, V] int32): ``rank_candidates``' and
+    ``sample_candidates``' modes.
     """
     check(logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
           "logits [w, V] fp32/bf16/fp16")
@@ -277,9 +288,35 @@ def sample_topk_topp(logits, u, temperature, top_k=20, top_p=0.95, *, out=None, 
         V=V, K=top_k, KP=kp, NCH=nch, NT_PAD=nt_pad, TILE_ROWS=tile_rows,
         TEMP_IS_PTR=temp_is_ptr, TEMP_PER_ROW=per_row, TOPP_BUG=_topp_bug,
         BITONIC=select == "bitonic", RANK=rank, G1=g1, CMAX_=CMAX, FORCE=int(_force),
-        num_warps=int(num_warps or NUM_WARPS),
+        CAND=_cand is not None, vocab_start=int(_cand or 0), MAP=_map, stride_map=0 if _map is None else _map.stride(0),
+        MAPPED=_map is not None, num_warps=int(num_warps or NUM_WARPS),
     )
     return ids, probs, token, index
+
+
+def rank_candidates(logits, u, temperature, top_k=20, top_p=0.95, *, vocab_start=0, **options):
+    """Tensor parallelism, stage 1 (DESIGN.md: "each rank takes a local top-20 of its vocabulary
+    slice, candidates are exchanged, every rank selects the same token"): this rank's candidates, the
+    top ``top_k`` of its slice ``logits`` [w, V_rank], in one launch of the sampler's kernel
+    (``options``: ``sample_topk_topp``'s tunings). Returns (their z = logits / T, FP32 [w, top_k],
+    their global ids ``vocab_start + id``, int32 [w, top_k]), best first, ties lower id first.
+    Gathered from every rank in rank order, they are what ``sample_candidates`` takes."""
+    ids, z, _, _ = sample_topk_topp(logits, u, temperature, top_k, top_p, _cand=int(vocab_start), **options)
+    return z, ids
+
+
+def sample_candidates(cand_z, cand_ids, u, top_k=20, top_p=0.95, *, select=None):
+    """Tensor parallelism, stage 2: the draw over every rank's candidates, ``cand_z`` / ``cand_ids``
+    [w, R x top_k] (``rank_candidates`` of ranks 0..R-1, concatenated in rank order), in one launch.
+    Returns ``sample_topk_topp``'s (ids, probs, token, index) with global ids: the same as it (and
+    ``sample_reference``) gives on the whole vocabulary's logits. Why exactly: the global top k lie
+    among the ranks' top k; the z are the first stage's (the kernel scales them again by T = 1, which
+    is exact); ties go to the lower index of the candidate row, which is the lower id (the slices
+    ascend in id, and each rank's list puts the lower id first among equal values). So the
+    candidates must come in rank order."""
+    check(cand_z.shape == cand_ids.shape and cand_ids.dtype == torch.int32 and cand_z.dtype == torch.float32,
+          "candidates: z [w, R x k] fp32, ids int32")
+    return sample_topk_topp(cand_z.contiguous(), u, 1.0, top_k, top_p, select=select, _map=cand_ids.contiguous())
 
 
 def sample_reference(logits, u, temperature, top_k=20, top_p=0.95):

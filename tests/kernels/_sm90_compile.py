@@ -270,6 +270,9 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS, PF):
             S.sample_topk_topp(torch.randn(8, V), torch.rand(8), 1.0, _force=force)
         S.sample_topk_topp(torch.randn(8, V).to(bf), torch.rand(8), torch.rand(8), _topp_bug=True)
         S.sample_topk_topp(torch.randn(8, V), torch.rand(8), torch.rand(()))
+    for R in (2, 8):   # tensor parallelism's two stages: a 20,000-logit slice's candidates, the draw over R x 20
+        S.rank_candidates(torch.randn(8, 20000).to(bf), torch.rand(8), 0.7, vocab_start=20000)
+        S.sample_candidates(torch.randn(8, R * 20), torch.zeros(8, R * 20, dtype=torch.int32), torch.rand(8))
 
 
 

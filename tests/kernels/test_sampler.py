@@ -66,8 +66,11 @@ def _nch(V):
 
 def mismatch(S, logits, u, temperature, **kw):
     """None when the kernel equals the reference, else a description of the first difference."""
-    got = S.sample_topk_topp(logits, u, temperature, **kw)
-    ref = S.sample_reference(logits, u, temperature)
+    return difference(S.sample_topk_topp(logits, u, temperature, **kw), S.sample_reference(logits, u, temperature))
+
+
+def difference(got, ref):
+    """None when (ids, probs, token, index) ``got`` equals ``ref``, else the first difference."""
     names = ("ids", "probs", "token", "index")
     for name, a, b in zip(names, got, ref):
         if name == "probs":
@@ -77,6 +80,30 @@ def mismatch(S, logits, u, temperature, **kw):
         elif not torch.equal(a.cpu().long(), b.cpu().long()):
             return f"{name} differ: {a.tolist()} vs {b.tolist()}"
     return None
+
+
+def cross_rank_ties(logits, ranks):
+    """Equal values across the ranks' slices: the two ids either side of each slice boundary lead the
+    row (9.0), and id 3 of every slice is next (8.0): the ids must come out lower first."""
+    x = logits.clone()
+    n = x.shape[1] // ranks
+    for r in range(1, ranks):
+        x[:, r * n - 1] = x[:, r * n] = 9.0
+    x[:, [r * n + 3 for r in range(ranks)]] = 8.0
+    return x
+
+
+def two_stage_mismatch(S, logits, u, temperature, ranks, order=None):
+    """Tensor-parallel sampling against the reference on the whole row: ``logits`` cut in ``ranks``
+    slices, each slice's ``rank_candidates``, concatenated in ``order`` (default: rank order, as the
+    all-gather gives them), then ``sample_candidates``."""
+    n = logits.shape[1] // ranks
+    parts = [S.rank_candidates(logits[:, r * n:(r + 1) * n].contiguous(), u, temperature, vocab_start=r * n)
+             for r in range(ranks)]
+    order = list(order or range(ranks))
+    got = S.sample_candidates(torch.cat([parts[r][0] for r in order], 1), torch.cat([parts[r][1] for r in order], 1),
+                              u)
+    return difference(got, S.sample_reference(logits, u, temperature))
 
 
 @pytest.mark.gpu
@@ -212,3 +239,34 @@ def test_interp_tunings(kw):
     logits, u = make_logits(3, 4096, torch.float32, "ties", seed=13)
     assert mismatch(S, logits, u, 1.0, **kw) is None
     assert mismatch(S, logits, u, 1.0, _topp_bug=True, **kw) is not None
+
+
+# ------------------------------------------------------------ tensor parallelism: two stages
+@pytest.mark.gpu
+@pytest.mark.parametrize("V,ranks", [(160000, 8), (40000, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["normal", "peaked", "ties", "cross"])
+def test_gpu_two_stages(V, ranks, dtype, kind):
+    """rank_candidates per slice + sample_candidates = the one-row reference, ties across slices
+    included; negative control: the candidates in the reverse rank order lose the cross-slice ties."""
+    S = load_kernels("sampler")
+    logits, u = make_logits(6, V, dtype, "ties" if kind == "cross" else kind, seed=V + ranks + len(kind))
+    if kind == "cross":
+        logits = cross_rank_ties(logits, ranks)
+    for T in (1.0, 0.7):
+        assert two_stage_mismatch(S, logits, u, T, ranks) is None
+    if kind == "cross":
+        assert two_stage_mismatch(S, logits, u, 1.0, ranks, order=reversed(range(ranks))) is not None
+
+
+@cpu_only
+@pytest.mark.parametrize("ranks,dtype,kind", [(2, torch.float32, "normal"), (8, torch.bfloat16, "ties"),
+                                              (2, torch.bfloat16, "cross"), (8, torch.float32, "cross")])
+def test_interp_two_stages(ranks, dtype, kind):
+    S = load_kernels("sampler")
+    logits, u = make_logits(3, 4096, dtype, "ties" if kind == "cross" else kind, seed=ranks + len(kind))
+    if kind == "cross":
+        logits = cross_rank_ties(logits, ranks)
+    assert two_stage_mismatch(S, logits, u, 0.7, ranks) is None
+    if kind == "cross":
+        assert two_stage_mismatch(S, logits, u, 0.7, ranks, order=reversed(range(ranks))) is not None
