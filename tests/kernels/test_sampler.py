@@ -94,16 +94,22 @@ def cross_rank_ties(logits, ranks):
 
 
 def two_stage_mismatch(S, logits, u, temperature, ranks, order=None):
-    """Tensor-parallel sampling against the reference on the whole row: ``logits`` cut in ``ranks``
-    slices, each slice's ``rank_candidates``, concatenated in ``order`` (default: rank order, as the
-    all-gather gives them), then ``sample_candidates``."""
+    """Tensor-parallel sampling against the kernel on the whole row (itself checked against the
+    reference above): ``logits`` cut in ``ranks`` slices, each slice's ``rank_candidates``, concatenated
+    in ``order`` (default: rank order, as the all-gather gives them), then ``sample_candidates``. Both
+    compute the same z and the same top-p arithmetic, so everything must be equal, probabilities to the
+    bit. (Against the reference, a 160,000-logit row's full softmax rounds its probabilities up to
+    ~2e-6 differently, over the 1e-6 these tests allow at 20,000: the one-row kernel does the same.)"""
     n = logits.shape[1] // ranks
     parts = [S.rank_candidates(logits[:, r * n:(r + 1) * n].contiguous(), u, temperature, vocab_start=r * n)
              for r in range(ranks)]
     order = list(order or range(ranks))
     got = S.sample_candidates(torch.cat([parts[r][0] for r in order], 1), torch.cat([parts[r][1] for r in order], 1),
                               u)
-    return difference(got, S.sample_reference(logits, u, temperature))
+    for name, a, b in zip(("ids", "probs", "token", "index"), got, S.sample_topk_topp(logits, u, temperature)):
+        if not torch.equal(a, b):
+            return f"{name} differ: {a.tolist()} vs {b.tolist()}"
+    return None
 
 
 @pytest.mark.gpu
@@ -247,8 +253,8 @@ def test_interp_tunings(kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["normal", "peaked", "ties", "cross"])
 def test_gpu_two_stages(V, ranks, dtype, kind):
-    """rank_candidates per slice + sample_candidates = the one-row reference, ties across slices
-    included; negative control: the candidates in the reverse rank order lose the cross-slice ties."""
+    """rank_candidates per slice + sample_candidates = the one-row kernel, ties across slices included;
+    negative control: the candidates in the reverse rank order lose the cross-slice ties."""
     S = load_kernels("sampler")
     logits, u = make_logits(6, V, dtype, "ties" if kind == "cross" else kind, seed=V + ranks + len(kind))
     if kind == "cross":
