@@ -44,10 +44,10 @@ consecutive by construction of the round), so no pass reads anything on the host
 Sampling: :meth:`FastModel.sample_rows` is the hook :class:`~runtime.speculative.Round` uses for the
 served distribution and the draw: ``sample_topk_topp`` on the rank's logits, with the counter-based
 uniforms as input; :meth:`FastModel.uniform` is the hook for those uniforms (``uniform``: one launch
-per call, the same bits as ``rng.uniform``'s ~50 torch launches). Under rank emulation the sampler
-runs on the local vocabulary slice and the candidate exchange is an excluded no-op (exactly what the
-reference's ``filter_dist`` does under emulation); under real tensor parallelism (peers exist) it
-falls back to the reference filter, which exchanges candidates.
+per call, the same bits as ``rng.uniform``'s ~50 torch launches). Under tensor parallelism (real or
+emulated) it takes two launches (``_sample_fast``): each rank's top k of its vocabulary slice, then,
+after the candidates' exchange (an excluded no-op under emulation), the draw over every rank's
+candidates: the same ids, probabilities and draw as one launch over the whole vocabulary.
 
 Launches: the kernels of a decode pass are programmatic dependents (sm_90+): each launches while the
 one before it runs and waits (griddepcontrol.wait) before reading that kernel's output. A kernel that
