@@ -653,7 +653,7 @@ class FastModel(Model):
     def take_draft(self, st, logits: torch.Tensor, u: torch.Tensor, g: torch.Tensor, k: int,
                    s: SamplingConfig, draft: DraftConfig) -> bool:
         """Round's draft-update hook: with the fast sampler and the fused glue, the sampler's kernel on
-        the draft row's logits (``_sample_fast``: with peers in two stages), then one launch
+        the draft row's logits (``_sample_fast``: under TP in two stages), then one launch
         (``take_draft``) for the state writes of Round._take_draft (tokens, proposal, g,
         log-probability, entropy, depth, log column, the policy's decision); returns True. False (the
         round's torch sequence runs) otherwise."""
@@ -675,7 +675,8 @@ class FastModel(Model):
         local top-20 of its vocabulary slice, candidates are exchanged, every rank selects the same
         token": ``rank_candidates`` (the kernel's top k of this rank's slice), gathered from every rank in
         rank order, then ``sample_candidates`` (the kernel again over the R x k candidates), which gives
-        filter_dist + draw's ids, probabilities and draw exactly (sampler.py says why).
+        the one launch's ids, probabilities and draw over the whole vocabulary, bit for bit (sampler.py
+        says why).
         ``_sampler_options`` tune the first stage (a whole slice), not the second."""
         if self.comm.size == 1:
             return _sampler.sample_topk_topp(logits, u, s.temperature, s.top_k, s.top_p, **self._sampler_options)

@@ -308,8 +308,8 @@ def rank_candidates(logits, u, temperature, top_k=20, top_p=0.95, *, vocab_start
 def sample_candidates(cand_z, cand_ids, u, top_k=20, top_p=0.95, *, select=None):
     """Tensor parallelism, stage 2: the draw over every rank's candidates, ``cand_z`` / ``cand_ids``
     [w, R x top_k] (``rank_candidates`` of ranks 0..R-1, concatenated in rank order), in one launch.
-    Returns ``sample_topk_topp``'s (ids, probs, token, index) with global ids: the same as it (and
-    ``sample_reference``) gives on the whole vocabulary's logits. Why exactly: the global top k lie
+    Returns ``sample_topk_topp``'s (ids, probs, token, index) with global ids: bit for bit what it
+    gives on the whole vocabulary's logits (tests/kernels/test_sampler.py). Why: the global top k lie
     among the ranks' top k; the z are the first stage's (the kernel scales them again by T = 1, which
     is exact); ties go to the lower index of the candidate row, which is the lower id (the slices
     ascend in id, and each rank's list puts the lower id first among equal values). So the
