@@ -100,9 +100,10 @@ def _rank_main(rank: int, port: int, out_dir: str, spec: dict):
         del alone
         if nccl:   # gloo's CUDA collectives read through the host; NCCL's do not
             frnd, fst = fast.start(prompt, 0, 32)
+            w = fst.width()   # (the host loop reads it between steps)
             with torch.no_grad(), forbid_host_sync():
-                frnd.verify(fst, fst.width())
-                frnd.draft_first(fst, fst.width())
+                frnd.verify(fst, w)
+                frnd.draft_first(fst, w)
                 for k in range(2, 6):
                     frnd.draft_next(fst, k)
             torch.cuda.synchronize()
