@@ -159,16 +159,25 @@ def test_interpreted_verify_logits_match_reference(interp):
             assert eb > LOGITS_BOUND, eb
 
 
-def sync_free_step(eng):
-    """One step (verify, draft_first, one draft_next) of a fresh 40-token request under the
-    host-sync guard; returns (state, width)."""
-    rnd, st = eng.start(random_prompt(40, 512), 0, 32)
+def guarded_step(rnd, st, depth):
+    """One step (verify, draft_first, draft_next up to ``depth``) under the host-sync guard; the width
+    is read before it, as the host loop does. Returns the width."""
     w = st.width()
     with torch.no_grad(), forbid_host_sync():
         rnd.verify(st, w)
         rnd.draft_first(st, w)
-        rnd.draft_next(st, 2)
-    return st, w
+        for k in range(2, depth + 1):
+            rnd.draft_next(st, k)
+    if st.tokens.is_cuda:
+        torch.cuda.synchronize()
+    return w
+
+
+def sync_free_step(eng):
+    """One step (verify, draft_first, one draft_next) of a fresh 40-token request under the
+    host-sync guard; returns (state, width)."""
+    rnd, st = eng.start(random_prompt(40, 512), 0, 32)
+    return st, guarded_step(rnd, st, 2)
 
 
 @cpu_only
@@ -861,13 +870,7 @@ def test_q1_mini_generation_fast_vs_reference(mini_pair):
 def test_gpu_step_is_sync_free(mini_pair):
     _, fast = mini_pair
     rnd, st = fast.start(code_prompt(3), 0, 32)
-    w = st.width()
-    with torch.no_grad(), forbid_host_sync():
-        rnd.verify(st, w)
-        rnd.draft_first(st, w)
-        for k in range(2, 8):
-            rnd.draft_next(st, k)
-    torch.cuda.synchronize()
+    guarded_step(rnd, st, 7)
     assert int(st.step) == 1 and int(st.n_drafts) == 7
 
 

@@ -31,7 +31,7 @@ import torch
 
 # tests/test_fast_backend.py sets up the interpreter at import where there is no CUDA (the spawned ranks
 # import this module, hence that one, first, so they start the same way); its bound and helpers:
-from tests.test_fast_backend import HAS_CUDA, LOGITS_BOUND, copy_caches, rel_err, verify_logits
+from tests.test_fast_backend import HAS_CUDA, LOGITS_BOUND, copy_caches, guarded_step, rel_err, verify_logits
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -39,7 +39,6 @@ import torch.multiprocessing as mp
 from runtime.checkpoint import random_tensors
 from runtime.config import TPConfig, load_model_config, runtime_config_from_dict
 from runtime.engine import Engine
-from runtime.nosync import forbid_host_sync
 from runtime.parallel import EmulatedComm
 
 W = 6                    # verify rows
@@ -100,13 +99,7 @@ def _rank_main(rank: int, port: int, out_dir: str, spec: dict):
         del alone
         if nccl:   # gloo's CUDA collectives read through the host; NCCL's do not
             frnd, fst = fast.start(prompt, 0, 32)
-            w = fst.width()   # (the host loop reads it between steps)
-            with torch.no_grad(), forbid_host_sync():
-                frnd.verify(fst, w)
-                frnd.draft_first(fst, w)
-                for k in range(2, 6):
-                    frnd.draft_next(fst, k)
-            torch.cuda.synchronize()
+            guarded_step(frnd, fst, 5)
             out["sync_free_drafts"] = int(fst.n_drafts)
         gen = fast.generate(prompt, seed=3, max_new_tokens=spec["new_tokens"])
         out["tokens"], out["steps"] = gen.tokens, [s["emitted"] for s in gen.steps]
