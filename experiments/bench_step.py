@@ -538,7 +538,7 @@ AB_VARIANTS = {
     # collectives stay emulation's no-ops, so the ratio is what a real TP rank pays for the fusions it
     # cannot use, communication excluded. Session 48: 1.154 / 1.150 at 8K / 64K while the sampling and the
     # draft update also went to torch with peers; since, they take the kernels in two stages with or
-    # without peers (FastModel._sample_fast)
+    # without peers (FastModel._sample_fast): 1.040 / 1.041
     "peer_paths": lambda rnd: _model_variant(rnd, _has_peers=lambda: True),
     # the sampling of a rank-emulated step in one stage: the rank's own top k drawn from directly, no
     # second stage over the (here one rank's) gathered candidates (the emulated step's way before session
