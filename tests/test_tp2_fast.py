@@ -31,7 +31,8 @@ import torch
 
 # tests/test_fast_backend.py sets up the interpreter at import where there is no CUDA (the spawned ranks
 # import this module, hence that one, first, so they start the same way); its bound and helpers:
-from tests.test_fast_backend import HAS_CUDA, LOGITS_BOUND, copy_caches, guarded_step, rel_err, verify_logits
+from tests.test_fast_backend import (HAS_CUDA, LOGITS_BOUND, guarded_step, random_prompt, rel_err, restored_pair,
+                                     verify_logits)
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -56,9 +57,14 @@ def model_cfg(name: str):
     return dataclasses.replace(load_model_config("q1"), **ch).validate()
 
 
-def prompt_for(cfg, n=300):
-    g = torch.Generator().manual_seed(n)
-    return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+def prompt_for(cfg, n):
+    return random_prompt(n, cfg.vocab_size, seed=n)
+
+
+def engines(cfg, rt: dict, tensors):
+    """The FP32 reference engine and the fast engine (BF16) over the same tensors."""
+    return (Engine(cfg, runtime_config_from_dict(rt), tensors),
+            Engine(cfg, runtime_config_from_dict({**rt, "backend": "fast", "dtype": "bfloat16"}), tensors))
 
 
 def _free_port() -> int:
@@ -80,13 +86,10 @@ def _rank_main(rank: int, port: int, out_dir: str, spec: dict):
         cfg = model_cfg(spec["model"])
         rt = {"device": dev, "tp": {"size": 2, "rank": rank}, "draft": DRAFT}
         tensors = dict(random_tensors(cfg, TPConfig(size=2, rank=rank), seed=0, device=dev))
-        ref = Engine(cfg, runtime_config_from_dict(rt), tensors)
-        fast = Engine(cfg, runtime_config_from_dict({**rt, "backend": "fast", "dtype": "bfloat16"}), tensors)
+        ref, fast = engines(cfg, rt, tensors)
         assert fast.model._has_peers(), "the fast model must see its peer"
         prompt = prompt_for(cfg, spec["prompt"])
-        rnd, st = ref.start(prompt, 0, 32)
-        cache = fast.model.new_cache(ref.capacity_for(len(prompt), 32))
-        copy_caches(cache, rnd.cache)
+        _, st, cache = restored_pair(ref, fast.model, prompt, budget=32)
 
         def gathered(model):
             return torch.cat(list(fast.comm.all_gather(verify_logits(model, cache, st, W))), dim=-1).cpu()
@@ -112,14 +115,8 @@ def single_rank(spec):
     """The single-rank FP32 reference's and fast model's verify logits of the same state."""
     dev = "cpu" if spec["device"] == "cpu" else "cuda"
     cfg = model_cfg(spec["model"])
-    rt = {"device": dev, "draft": DRAFT}
-    tensors = dict(random_tensors(cfg, seed=0, device=dev))
-    ref = Engine(cfg, runtime_config_from_dict(rt), tensors)
-    fast = Engine(cfg, runtime_config_from_dict({**rt, "backend": "fast", "dtype": "bfloat16"}), tensors)
-    prompt = prompt_for(cfg, spec["prompt"])
-    rnd, st = ref.start(prompt, 0, 32)
-    cache = fast.model.new_cache(ref.capacity_for(len(prompt), 32))
-    copy_caches(cache, rnd.cache)
+    ref, fast = engines(cfg, {"device": dev, "draft": DRAFT}, dict(random_tensors(cfg, seed=0, device=dev)))
+    rnd, st, cache = restored_pair(ref, fast.model, prompt_for(cfg, spec["prompt"]), budget=32)
     return {"tokens_in": st.tokens[:W].cpu(), "ref": verify_logits(ref.model, rnd.cache, st, W).cpu(),
             "fast": verify_logits(fast.model, cache, st, W).cpu()}
 

@@ -66,11 +66,8 @@ def _nch(V):
 
 def mismatch(S, logits, u, temperature, **kw):
     """None when the kernel equals the reference, else a description of the first difference."""
-    return difference(S.sample_topk_topp(logits, u, temperature, **kw), S.sample_reference(logits, u, temperature))
-
-
-def difference(got, ref):
-    """None when (ids, probs, token, index) ``got`` equals ``ref``, else the first difference."""
+    got = S.sample_topk_topp(logits, u, temperature, **kw)
+    ref = S.sample_reference(logits, u, temperature)
     names = ("ids", "probs", "token", "index")
     for name, a, b in zip(names, got, ref):
         if name == "probs":
@@ -248,6 +245,19 @@ def test_interp_tunings(kw):
 
 
 # ------------------------------------------------------------ tensor parallelism: two stages
+def check_two_stages(w, V, ranks, dtype, kind, temperatures, seed):
+    """The two stages equal the one-row kernel at each temperature; on ``cross`` rows (``ties`` with
+    ties placed across the slices) the candidates in reverse rank order must not (negative control)."""
+    S = load_kernels("sampler")
+    logits, u = make_logits(w, V, dtype, "ties" if kind == "cross" else kind, seed=seed)
+    if kind == "cross":
+        logits = cross_rank_ties(logits, ranks)
+    for T in temperatures:
+        assert two_stage_mismatch(S, logits, u, T, ranks) is None
+    if kind == "cross":
+        assert two_stage_mismatch(S, logits, u, temperatures[0], ranks, order=reversed(range(ranks))) is not None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("V,ranks", [(160000, 8), (40000, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -255,24 +265,11 @@ def test_interp_tunings(kw):
 def test_gpu_two_stages(V, ranks, dtype, kind):
     """rank_candidates per slice + sample_candidates = the one-row kernel, ties across slices included;
     negative control: the candidates in the reverse rank order lose the cross-slice ties."""
-    S = load_kernels("sampler")
-    logits, u = make_logits(6, V, dtype, "ties" if kind == "cross" else kind, seed=V + ranks + len(kind))
-    if kind == "cross":
-        logits = cross_rank_ties(logits, ranks)
-    for T in (1.0, 0.7):
-        assert two_stage_mismatch(S, logits, u, T, ranks) is None
-    if kind == "cross":
-        assert two_stage_mismatch(S, logits, u, 1.0, ranks, order=reversed(range(ranks))) is not None
+    check_two_stages(6, V, ranks, dtype, kind, (1.0, 0.7), seed=V + ranks + len(kind))
 
 
 @cpu_only
 @pytest.mark.parametrize("ranks,dtype,kind", [(2, torch.float32, "normal"), (8, torch.bfloat16, "ties"),
                                               (2, torch.bfloat16, "cross"), (8, torch.float32, "cross")])
 def test_interp_two_stages(ranks, dtype, kind):
-    S = load_kernels("sampler")
-    logits, u = make_logits(3, 4096, dtype, "ties" if kind == "cross" else kind, seed=ranks + len(kind))
-    if kind == "cross":
-        logits = cross_rank_ties(logits, ranks)
-    assert two_stage_mismatch(S, logits, u, 0.7, ranks) is None
-    if kind == "cross":
-        assert two_stage_mismatch(S, logits, u, 0.7, ranks, order=reversed(range(ranks))) is not None
+    check_two_stages(3, 4096, ranks, dtype, kind, (0.7,), seed=ranks + len(kind))
