@@ -82,7 +82,7 @@ from runtime import rng  # noqa: E402
 from runtime.checkpoint import random_tensors  # noqa: E402
 from runtime.config import DraftConfig, SamplingConfig, TPConfig, load_model_config, make_shard  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
-from runtime.fast import FastModel  # noqa: E402
+from runtime.fast import MAX_DECODE_ROWS, FastModel  # noqa: E402
 from runtime.kernels.linear import skinny_linear  # noqa: E402
 from runtime.kernels import sampler as sampler_kernels  # noqa: E402
 from runtime.model import Model  # noqa: E402
@@ -540,6 +540,13 @@ AB_VARIANTS = {
     # draft update also went to torch with peers; since, they take the kernels in two stages with or
     # without peers (FastModel._sample_fast): 1.040 / 1.041
     "peer_paths": lambda rnd: _model_variant(rnd, _has_peers=lambda: True),
+    # a real rank's paths with the fused all-reduce (tp.fused_allreduce; runtime/kernels/peer.py): each
+    # all-reduce before a norm inside that norm's kernel, over a rank-emulation exchange (this rank's
+    # buffer and protocol in full; the peers' buffers static zeros, read but never waited for). Against
+    # peer_paths: what the exchange's kernel costs beside the plain add + norm, traffic between GPUs
+    # excluded (emulation); against the default, what a real rank's step pays less that traffic
+    "peer_fused": lambda rnd: _model_variant(rnd, _xchg=rnd.model.comm.peer_exchange(
+        MAX_DECODE_ROWS, rnd.model.cfg.hidden_size, rnd.model.device)),
     # the sampling of a rank-emulated step in one stage: the rank's own top k drawn from directly, no
     # second stage over the (here one rank's) gathered candidates (the emulated step's way before session
     # 48; since, FastModel._sample_fast runs both stages under any TP, as a real rank must)

@@ -128,6 +128,12 @@ class TPConfig:
     size: int = 1
     rank: int = 0
     emulate_rank: int | None = None
+    # backend=fast: each all-reduce that a residual add + RMSNorm follows runs inside that norm's
+    # kernel, reading the peers' partial sums from NaN-armed buffers (runtime/kernels/peer.py), instead
+    # of a collective before it. Under rank emulation the peers' buffers are static zeros.
+    fused_allreduce: bool = False
+    # the bound on one read of a peer's row before the failure exit (seconds; the host then raises)
+    peer_timeout_s: float = 10.0
 
     @property
     def local_rank(self) -> int:
@@ -271,6 +277,13 @@ class RuntimeConfig:
             p.append(f"draft.fixed_depth {d.fixed_depth} outside [{d.min_depth}, {d.max_depth}]")
         if self.tp.size < 1 or not (0 <= self.tp.local_rank < self.tp.size):
             p.append(f"tp.rank/emulate_rank must lie in [0, tp.size={self.tp.size})")
+        if not isinstance(self.tp.fused_allreduce, bool):
+            p.append(f"tp.fused_allreduce must be true|false, got {self.tp.fused_allreduce!r}")
+        elif self.tp.fused_allreduce and (self.backend != "fast" or self.tp.size < 2):
+            p.append("tp.fused_allreduce runs in the fast backend's norm kernels under tensor parallelism: it "
+                     f"needs backend=fast and tp.size >= 2 (got backend={self.backend}, tp.size={self.tp.size})")
+        if not (isinstance(self.tp.peer_timeout_s, (int, float)) and self.tp.peer_timeout_s > 0):
+            p.append(f"tp.peer_timeout_s must be a positive number of seconds, got {self.tp.peer_timeout_s!r}")
         s = self.sampling
         if s.temperature <= 0 or not (0 < s.top_p <= 1) or s.top_k < 1:
             p.append(f"sampling needs temperature>0, 0<top_p<=1, top_k>=1; got {s}")

@@ -73,6 +73,8 @@ class Engine:
             from .fast import FastModel
             self.model = FastModel(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm,
                                    kernels=rt.kernels)
+            if rt.tp.fused_allreduce:   # (a collective under real TP: every rank builds its engine)
+                self.model.use_peer_exchange(rt.tp.peer_timeout_s)
         elif rt.backend == "reference":
             self.model = Model(model_cfg, tensors, self.shard, rt.dtype, self.device, self.comm)
         else:
@@ -184,6 +186,7 @@ class Engine:
                     self._draft_rest(st, rnd)
                 sync()
                 dt = time.perf_counter_ns() - t0
+                self.model.check_peers()
                 if delay > 0:   # calibration only: a known, proportional slowdown
                     # busy-wait, not sleep (an idle core changes clocks). Any pause still makes the
                     # next step slower (plausibly colder caches; measured +1% at 10% on a
@@ -203,6 +206,7 @@ class Engine:
         return g
 
     def result(self, st: DecodeState, step_ns: list[int]) -> Generation:
+        self.model.check_peers()    # the fused all-reduce's failure exit, reported (PeerTimeout)
         n_steps = int(st.step)
         log = st.log[:n_steps].cpu().tolist()
         steps = [{"step": i, "width": r[LOG_WIDTH], "drafts": r[LOG_DRAFTS], "accepted": r[LOG_ACCEPTED],

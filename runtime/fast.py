@@ -84,6 +84,7 @@ from .kernels import attention as _attn
 from .kernels import linear as _linear
 from .kernels import moe as _moe
 from .kernels import norm as _norm
+from .kernels import peer as _peer
 from .kernels import prefetch as _prefetch
 from .kernels import rope as _rope
 from .kernels import round_state as _round
@@ -260,6 +261,9 @@ class FastModel(Model):
         # (at="router"). It applies where the router writes the ids (fuse_router_norm, compiled CUDA).
         # A measurement option (bench_step.py --ab xpf*): session 45 measured every form slower.
         self.expert_prefetch: tuple | None = None
+        # The fused all-reduce's exchange (use_peer_exchange; tp.fused_allreduce): None, the all-reduces
+        # then go through comm before the norms.
+        self._xchg = None
         self._pred_ids: dict[int, torch.Tensor] = {}
         self._side_stream = None
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
@@ -307,8 +311,35 @@ class FastModel(Model):
 
     def _has_peers(self) -> bool:
         """Other ranks exist whose data this rank's result needs (real tensor parallelism; under rank
-        emulation the collectives are counted no-ops)."""
-        return self.comm.size > 1 and not getattr(self.comm, "emulated", False)
+        emulation the collectives are counted no-ops), or rank emulation of the fused all-reduce, which
+        does a real rank's work (its peers' buffers static)."""
+        return self.comm.size > 1 and (not getattr(self.comm, "emulated", False) or self._xchg is not None)
+
+    def use_peer_exchange(self, timeout_s: float | None = None, exchange=None) -> None:
+        """The fused all-reduce (tp.fused_allreduce; DESIGN.md "Tensor parallel"): each all-reduce that
+        a residual add + RMSNorm follows (after the output projection; after the MoE but the pass's
+        last) runs inside that norm's kernel (``peer_add_rmsnorm``) over ``exchange``, by default
+        ``comm.peer_exchange`` (a collective under real TP). The embedding's, the pass's last and the
+        logits' collectives stay on comm. Needs the fast norm and MoE kernels."""
+        if self.kernels.norm != "fast" or self.kernels.moe != "fast":
+            raise ConfigError("tp.fused_allreduce runs inside the norm kernels after the fast MoE: it needs "
+                              "kernels.norm=fast and kernels.moe=fast")
+        self._xchg = exchange if exchange is not None else self.comm.peer_exchange(
+            MAX_DECODE_ROWS, self.cfg.hidden_size, self.device, timeout_s)
+
+    def check_peers(self) -> None:
+        """Raises ``PeerTimeout`` if a read of the fused all-reduce took its failure exit (a host read)."""
+        if self._xchg is not None:
+            self._xchg.check()
+
+    def _reduce_add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                         out16: torch.Tensor | None = None) -> torch.Tensor:
+        """r += all-reduce(x); RMSNorm(r) * w: in one kernel over the exchange (fused all-reduce), or
+        the add + norm of an x that comm has all-reduced already."""
+        if self._xchg is not None:
+            return _peer.peer_add_rmsnorm(x, r, w, self.cfg.rms_norm_eps, self._xchg, out16=out16,
+                                          weight_first=self.norm_weight_first)
+        return self._add_norm(x, r, w, self.cfg.rms_norm_eps, out16=out16)
 
     # ---- caches -------------------------------------------------------------------------------------
     def new_cache(self, capacity: int, dtype=None) -> ModelCache:
@@ -421,11 +452,12 @@ class FastModel(Model):
 
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
                         cache: KVCache, tab, residual: tuple | None = None, fold: tuple | None = None,
-                        before_split=None) -> torch.Tensor:
+                        before_split=None, reduce: bool = True) -> torch.Tensor:
         """The attention block of h; with ``residual`` = (r, ssq) (``_router_norm_fusable``), the
         output projection adds its result to r itself and writes ssq (skinny_linear(residual=));
         returns r then. ``fold``: skinny_linear's fold= (kernels.routing=folded). ``before_split``:
-        called (no arguments) between rope_kv_write and the attention split (the expert prefetch)."""
+        called (no arguments) between rope_kv_write and the attention split (the expert prefetch).
+        ``reduce``: under TP, all-reduce the output through comm (False: the rank's partial sum)."""
         cfg, sh = self.cfg, self.shard
         T, d, nh, nkv = h.shape[0], cfg.head_dim, sh.num_heads, sh.num_kv_heads
         if self.kernels.attention == "reference":    # device tensors only, as the reference's decode
@@ -437,7 +469,7 @@ class FastModel(Model):
             keys, vals, kpos = write_decode(cache, positions, kt, vt)
             o = attend_chunked(q, keys, vals, lambda a, b: visible_keys(cache, kpos, positions[a:b]), lw.sinks)
             out = self._proj(o.reshape(T, nh * d).to(_BF16).contiguous(), lw.wo)
-            return self.comm.all_reduce(out) if sh.tp_size > 1 else out
+            return self.comm.all_reduce(out) if sh.tp_size > 1 and reduce else out
         o = torch.empty(T, nh, d, dtype=_BF16, device=h.device)
         sinks = None if self.broken == "drop_sinks" else lw.sinks
         # (release_next, the combine releasing the output projection at its start, is an option: with
@@ -470,7 +502,7 @@ class FastModel(Model):
         # (with residual, out is r += o @ Wo^T: under rank emulation the all-reduce it stands in for is
         # counted on r, a tensor of the output's shape and dtype)
         out = self._proj(o.view(T, nh * d), lw.wo, residual=residual, fold=fold)
-        return self.comm.all_reduce(out) if sh.tp_size > 1 else out
+        return self.comm.all_reduce(out) if sh.tp_size > 1 and reduce else out
 
     def _moe_norm_fusable(self) -> bool:
         """Whether the MoE's reduce may also do the next residual add + RMSNorm (``fuse_moe_norm``):
@@ -480,11 +512,12 @@ class FastModel(Model):
                 and self._moe_options.get("variant", _moe.MOE_VARIANT) == "v1")
 
     def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None,
-                  norm: tuple | None = None, routed: tuple | None = None) -> torch.Tensor:
+                  norm: tuple | None = None, routed: tuple | None = None, reduce: bool = True) -> torch.Tensor:
         """The MoE of h (BF16); ``h16``: the same values in FP16 (written by the norm before), which
         the kernel reads instead of converting h on every Gate/Up tile. ``norm`` = (r, weight): the
         reduce also does r += MoE(h) and returns RMSNorm(r) * weight (see ``_moe_norm_fusable``).
-        ``routed``: (ids, weights) already computed (route_topk(norm=))."""
+        ``routed``: (ids, weights) already computed (route_topk(norm=)). ``reduce``: as
+        ``_attention_fast``'s (the fast MoE only)."""
         if self.kernels.moe == "reference":
             return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
         ids, weights = self.route(lw, h) if routed is None else routed
@@ -495,7 +528,7 @@ class FastModel(Model):
                                **self._moe_options)
         # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
         # the MoE output it stands in for is counted on a tensor of the same shape and dtype)
-        return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
+        return self.comm.all_reduce(y) if self.shard.tp_size > 1 and reduce else y
 
     def _expert_prefetch_plan(self, fuse_rn: bool) -> tuple | None:
         """(bytes, at, k_first) of ``expert_prefetch`` where it applies in this pass (the router writes
@@ -542,8 +575,9 @@ class FastModel(Model):
                      positions: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode layers from the input r (BF16 [T, H]), or from the embeddings of ``tokens`` (r None);
         returns the residual stream after them."""
-        eps, add_norm = self.cfg.rms_norm_eps, self._add_norm
+        eps = self.cfg.rms_norm_eps
         tab = self._tables(positions)
+        fused_ar = self._xchg     # the fused all-reduce's exchange, or None
         if r is None:        # r = embed(tokens), h = norm(r): one launch with the fused glue
             r = torch.empty(tokens.shape[0], self.cfg.hidden_size, dtype=_BF16, device=self.device)
             h = self._embed_norm(tokens, layers[0].ln1, x_out=r)
@@ -594,15 +628,16 @@ class FastModel(Model):
                 h = h_mid
                 routed = _router.route_topk(None, lw.router, self.cfg.num_experts_per_tok, ids=ids,
                                             norm=(r, ssq, lw.ln2, eps, h, h16), **self._router_kw())
-            else:
-                a = self._attention_fast(lw, h, positions, c, tab)
-                h = add_norm(a, r, lw.ln2, eps, out16=h16)   # r += attention
+            else:   # r += attention (its all-reduce inside the norm's kernel with the fused all-reduce)
+                a = self._attention_fast(lw, h, positions, c, tab, reduce=fused_ar is None)
+                h = self._reduce_add_norm(a, r, lw.ln2, out16=h16)
             if i + 1 < len(layers) and self._moe_norm_fusable():
                 h = self._moe_fast(lw, h, h16, norm=(r, layers[i + 1].ln1), routed=routed)   # r += moe, h = norm(r)
                 continue
-            m = self._moe_fast(lw, h, h16, routed=routed)
-            if i + 1 < len(layers):
-                h = add_norm(m, r, layers[i + 1].ln1, eps)   # r += moe
+            last = i + 1 == len(layers)
+            m = self._moe_fast(lw, h, h16, routed=routed, reduce=fused_ar is None or last)
+            if not last:
+                h = self._reduce_add_norm(m, r, layers[i + 1].ln1)   # r += moe
             else:
                 r.add_(m)
         if xpf is not None:   # the side stream joins (a capture must end on one stream)

@@ -61,10 +61,13 @@ def prompt_for(cfg, n):
     return random_prompt(n, cfg.vocab_size, seed=n)
 
 
-def engines(cfg, rt: dict, tensors):
-    """The FP32 reference engine and the fast engine (BF16) over the same tensors."""
+def engines(cfg, rt: dict, tensors, fused=False):
+    """The FP32 reference engine and the fast engine (BF16) over the same tensors; ``fused``: the fast
+    one with tp.fused_allreduce."""
+    tp = {**rt["tp"], "fused_allreduce": True} if fused else rt.get("tp", {})
     return (Engine(cfg, runtime_config_from_dict(rt), tensors),
-            Engine(cfg, runtime_config_from_dict({**rt, "backend": "fast", "dtype": "bfloat16"}), tensors))
+            Engine(cfg, runtime_config_from_dict({**rt, "backend": "fast", "dtype": "bfloat16", "tp": tp}),
+                   tensors))
 
 
 def _free_port() -> int:
@@ -86,7 +89,7 @@ def _rank_main(rank: int, port: int, out_dir: str, spec: dict):
         cfg = model_cfg(spec["model"])
         rt = {"device": dev, "tp": {"size": 2, "rank": rank}, "draft": DRAFT}
         tensors = dict(random_tensors(cfg, TPConfig(size=2, rank=rank), seed=0, device=dev))
-        ref, fast = engines(cfg, rt, tensors)
+        ref, fast = engines(cfg, rt, tensors, fused=spec.get("fused", False))
         assert fast.model._has_peers(), "the fast model must see its peer"
         prompt = prompt_for(cfg, spec["prompt"])
         _, st, cache = restored_pair(ref, fast.model, prompt, budget=32)
@@ -106,6 +109,9 @@ def _rank_main(rank: int, port: int, out_dir: str, spec: dict):
             out["sync_free_drafts"] = int(fst.n_drafts)
         gen = fast.generate(prompt, seed=3, max_new_tokens=spec["new_tokens"])
         out["tokens"], out["steps"] = gen.tokens, [s["emitted"] for s in gen.steps]
+        if fast.model._xchg is not None:   # the fused all-reduce ran (and never took its failure exit)
+            out["points"] = int(fast.model._xchg.state[0])
+            fast.model.check_peers()
         torch.save(out, os.path.join(out_dir, f"r{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -153,12 +159,18 @@ def gpu_dist():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["comm", "fused_allreduce"])
 @pytest.mark.parametrize("model,prompt", [("tiny", 300), ("q1", 16)])
-def test_gpu_fast_backend_tp2(tmp_path, model, prompt):
+def test_gpu_fast_backend_tp2(tmp_path, model, prompt, fused):
     """q1's prompt is short because the FP32 reference's prefill dequantizes every routed expert of
-    every token (~0.4 GB a token per rank at TP = 2), and on one GPU both ranks share it."""
-    spec = {"device": "cuda", "dist": gpu_dist(), "model": model, "prompt": prompt, "new_tokens": 24}
+    every token (~0.4 GB a token per rank at TP = 2), and on one GPU both ranks share it. ``fused``:
+    tp.fused_allreduce, the ranks' buffers opened through CUDA IPC (on one GPU both processes' kernels
+    time-share it, so a rank's poll may wait for the other's time slice)."""
+    spec = {"device": "cuda", "dist": gpu_dist(), "model": model, "prompt": prompt, "new_tokens": 24,
+            "fused": fused}
     r0, r1, _ = run_tp2(tmp_path, spec)
+    if fused:
+        assert r0["points"] == r1["points"] > 0
     if model == "q1":
         assert r0["shard"] == (24, 4, 1024) and r1["slice"] == (80000, 160000)
     if spec["dist"] == "nccl":
@@ -172,7 +184,10 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     default calls the folded router; the variant does not, and calls the add + RMSNorm kernel more often
     (the norms its fusions would have done). Both sample with the kernel in two stages (two calls per
     sampling: the rank's candidates, then the draw over every rank's); ``sampler_one_stage`` in one, to
-    the same state. The default is the negative control."""
+    the same state. The default is the negative control. ``peer_fused`` (the fused all-reduce over a
+    rank-emulation exchange, its peers' buffers static zeros) reaches peer_paths' state exactly, with
+    the all-reduce-and-norm kernel at every reduce point; its negative control: the same with the
+    static peers' rows at one instead of zero."""
     import collections
     import functools
     import sys
@@ -186,11 +201,17 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
                                    "tp": {"size": 2, "emulate_rank": 0}})
     eng = Engine(cfg, rt, dict(random_tensors(cfg, rt.tp, seed=0)))
     spied = ((fastmod._sampler, "sample_topk_topp"), (fastmod._router, "route_folded"),
-             (fastmod._norm, "fused_add_rmsnorm"))
-    counts, states = {}, {}
-    for arm in ("default", "peer_paths", "sampler_one_stage"):
+             (fastmod._norm, "fused_add_rmsnorm"), (fastmod._peer, "peer_add_rmsnorm"))
+    counts, states, xchg = {}, {}, {}
+    for arm in ("default", "peer_paths", "sampler_one_stage", "peer_fused", "peer_fused_ones"):
         rnd, st = eng.start(prompt_for(cfg, 40), 0, 16)
-        bench_step.apply_variants(rnd, arm)
+        if arm == "peer_fused_ones":
+            bad = eng.comm.peer_exchange(8, cfg.hidden_size, eng.device)
+            bad.buffers[1].fill_(1.0)
+            bench_step._model_variant(rnd, _xchg=bad)
+        else:
+            bench_step.apply_variants(rnd, arm)
+        xchg[arm] = rnd.model._xchg
         calls = collections.Counter()
         with pytest.MonkeyPatch.context() as m:
             for mod, name in spied:
@@ -213,3 +234,46 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     for name in ("tokens", "q_ids", "q_probs", "out", "accepted"):
         assert torch.equal(getattr(states["default"], name), getattr(states["sampler_one_stage"], name)), name
     assert p["fused_add_rmsnorm"] > d["fused_add_rmsnorm"]
+    # the fused all-reduce: verify's 2 layers reduce after both attentions and the first MoE (the pass's
+    # last MoE through comm), the draft's MTP layer after its attention: 4 points, one kernel each
+    f = counts["peer_fused"]
+    assert f["peer_add_rmsnorm"] == 4 and f["fused_add_rmsnorm"] == p["fused_add_rmsnorm"] - 4
+    assert xchg["peer_fused"].state[0].item() == 4 and xchg["peer_fused"].failure() is None
+    for name in ("tokens", "q_ids", "q_probs", "out", "accepted"):
+        assert torch.equal(getattr(states["peer_paths"], name), getattr(states["peer_fused"], name)), name
+    assert not torch.equal(states["peer_paths"].q_probs, states["peer_fused_ones"].q_probs)
+
+
+def test_fused_allreduce_config_errors():
+    """tp.fused_allreduce needs the fast backend and tensor parallelism; real ranks need CUDA."""
+    from runtime.config import ConfigError
+    from runtime.parallel import LocalComm, TorchDistComm
+
+    with pytest.raises(ConfigError, match="needs backend=fast and tp.size >= 2"):
+        runtime_config_from_dict({"tp": {"size": 2, "emulate_rank": 0, "fused_allreduce": True}})
+    with pytest.raises(ConfigError, match="needs backend=fast and tp.size >= 2"):
+        runtime_config_from_dict({"backend": "fast", "dtype": "bfloat16", "tp": {"fused_allreduce": True}})
+    with pytest.raises(ConfigError, match="peer_timeout_s"):
+        runtime_config_from_dict({"tp": {"peer_timeout_s": 0}})
+    with pytest.raises(ValueError, match="tp.size > 1"):
+        LocalComm().peer_exchange(8, 256, "cpu")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        TorchDistComm.__new__(TorchDistComm).peer_exchange(8, 256, "cpu")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs where there is no CUDA")
+def test_interpreted_fused_allreduce_failure_is_reported(interp):
+    """An engine built with tp.fused_allreduce (rank emulation: this rank's exchange in full) reports a
+    read that took the failure exit when the host reads its results; a clean exchange does not."""
+    from runtime.kernels.peer import FAILED, FAILED_AT, PeerTimeout
+
+    cfg = model_cfg("tiny")
+    rt = runtime_config_from_dict({"device": "cpu", "backend": "fast", "dtype": "bfloat16", "draft": DRAFT,
+                                   "tp": {"size": 2, "emulate_rank": 0, "fused_allreduce": True}})
+    eng = Engine(cfg, rt, dict(random_tensors(cfg, rt.tp, seed=0)))
+    assert eng.model._has_peers() and eng.model._xchg.static_peers
+    _, st = eng.start(prompt_for(cfg, 12), 0, 4)
+    eng.result(st, [])
+    eng.model._xchg.state[FAILED], eng.model._xchg.state[FAILED_AT] = 2, 8
+    with pytest.raises(PeerTimeout, match=r"rank\(s\) \[1\] .* point 7"):
+        eng.result(st, [])

@@ -67,13 +67,17 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_attn_split_v2_kernel", "PDL", "griddepcontrol.wait"),
              ("_rope_kv_kernel", "PDL", "griddepcontrol.wait"),
              # the reference's RoPE rounds each product: no contraction into FMA
-             ("_rope_kv_kernel", "enable_fp_fusion", "fma.rn.f32")]
+             ("_rope_kv_kernel", "enable_fp_fusion", "fma.rn.f32"),
+             # the fused all-reduce: system-scope fences and volatile polls of the peers' rows on the GPU
+             ("_peer_add_rmsnorm_kernel", "ON_GPU", "fence.acq_rel.sys"),
+             ("_peer_add_rmsnorm_kernel", "ON_GPU", "ld.volatile.global"),
+             ("_peer_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait")]
 
 
 # Keywords that put weight loads before griddepcontrol.wait (and without which no global load precedes
 # it): (kernel -> keyword).
 EARLY_LOADS = {"_router_kernel": "WEIGHTS_FIRST", "_add_rmsnorm_kernel": "WEIGHT_FIRST",
-               "_moe_reduce_kernel": "WEIGHT_FIRST"}
+               "_moe_reduce_kernel": "WEIGHT_FIRST", "_peer_add_rmsnorm_kernel": "WEIGHT_FIRST"}
 
 
 # Launches whose weights-as-A products must stay on mma.sync, never wgmma (session 22: a wgmma waited
@@ -276,6 +280,19 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS, PF):
 
 
 
+def _launch_peer(PE):
+    """The fused all-reduce + add + RMSNorm (runtime/kernels/peer.py) at q1 (H = 6144) and q1-tiny
+    widths, 2 and 8 ranks, 1 and 8 rows, with and without the FP16 copy and the re-arm."""
+    bf = torch.bfloat16
+    for R, H in itertools.product((2, 8), (6144, 256)):
+        xchg = PE.PeerExchange.group(R, 8, H, "cpu")[R - 1]
+        for T, first in itertools.product((1, 8), (True, False)):
+            x = torch.randn(T, H).to(bf)
+            PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, weight_first=first,
+                                out16=torch.empty(T, H).half() if first else None)
+        PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, _no_rearm=True)
+
+
 def main():
     import triton
     from triton.runtime import driver as drv
@@ -291,6 +308,9 @@ def main():
     mods[9].compiled_cuda = lambda device: True   # the expert prefetch's inline PTX
     mods[4].pdl_supported = lambda device: True
     _launch_everything(*mods)
+    pe = _compile_only("peer", sink)
+    pe.pdl_supported = pe.compiled_cuda = lambda device: True
+    _launch_peer(pe)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         cuobjdump = shutil.which("cuobjdump")

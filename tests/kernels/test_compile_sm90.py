@@ -34,7 +34,7 @@ def test_all_kernels_compile_for_sm90():
             "_moe_gate_up_v2_kernel", "_moe_down_v2_kernel",
             "_moe_down_kernel", "_moe_down_wide_kernel", "_moe_reduce_kernel", "_add_rmsnorm_kernel",
             "_sample_kernel", "_rope_kv_kernel", "_router_kernel", "_route_folded_kernel", "_rope_tables_kernel", "_take_draft_kernel",
-            "_settle_kernel"} <= set(report["kernels"])
+            "_settle_kernel", "_peer_add_rmsnorm_kernel"} <= set(report["kernels"])
 
 
 def test_ptx_marks_catch_an_option_that_changes_nothing():

@@ -1,0 +1,268 @@
+"""The tensor-parallel all-reduce fused into the residual add + RMSNorm that follows it
+(DESIGN.md "Tensor parallel": the fused path, after NCCL).
+
+Exchange (:class:`PeerExchange`)
+--------------------------------
+Every rank owns a buffer of ``K_SLOTS`` slots x ``rows`` x H (BF16), every element armed with NaN,
+and a table of every rank's buffer address (its own included) that its kernels can load from: on
+one GPU or over NVLink peer-to-peer (buffers opened through CUDA IPC; never multicast). A device
+int32 ``state`` holds the exchange's sequence number (one per all-reduce point, the same on every
+rank since every rank runs the same points in the same order), an arrival counter, and the failure
+record (bit q of ``state[2]``: a read of rank q's data stayed unready past the bound; ``state[3]``:
+the sequence number of the first such point plus one).
+
+The kernel (``_peer_add_rmsnorm_kernel``, grid (T,), program = one row)
+-----------------------------------------------------------------------
+1. Waits for its predecessor (programmatic dependent launch), reads the sequence number n, slot
+   s = n mod K.
+2. Publishes its row of x (the rank's partial sum, BF16) into its own slot s: the store that
+   overwrites the NaNs is the signal (no flag).
+3. For every rank q in rank order: its own row from registers; a peer's row loaded (volatile) from
+   the peer's slot s until no element is NaN, or until the bound passes (``timeout_s``, the GPU's
+   global timer; under the interpreter a number of polls): then bit q of the failure record is set
+   and the kernel finishes with what it read (the host reports it: :meth:`PeerExchange.check`,
+   never a hang). The rows are summed in FP32 in rank order, so every rank sums the same BF16 values
+   in the same order and gets the same bits; the sum is rounded to BF16 (what an all-reduce of BF16
+   tensors returns).
+4. residual += sum; out = RMSNorm(residual) * weight (and out16), exactly as ``fused_add_rmsnorm``
+   does with that sum as its x: the same bits as all-reduce-then-norm with a rank-order FP32 sum.
+5. Re-arms its own slot (n - 1) mod K, every row of it, with NaN; then the last program to arrive
+   advances the sequence number.
+
+Why the re-arm is safe with K >= 3 (K = 4 here): rank r re-arms slot n - 1 in point n's kernel,
+after it has read every peer's data of point n; a peer publishes point n's data only after its
+kernel of point n - 1, which read r's data of point n - 1, has finished, so no peer still needs
+slot n - 1's old data. A peer reads that slot again only for point n - 1 + K >= n + 2, which it
+reaches after reading r's data of point n + 1 >= n + 1, published by r after this re-arm (stream
+order, and a system-scope fence after the re-arm and after each poll: the message-passing pattern
+with the data itself as the flag). K = 2 would let a fast peer read slot n - 1's stale data as
+point n + 1's before r re-arms it (the tests' ``_no_rearm`` control shows what a missing re-arm does).
+
+A true NaN in a partial sum would look unpublished: it ends in the failure exit, reported as such.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
+
+from ._common import check, compiled_cuda, launch_signature, next_pow2, pdl_supported
+from .norm import NUM_WARPS, load_weight, resolve_weight_first, rms_scale
+
+K_SLOTS = 4          # slots per rank's buffer (>= 3, a power of two: see the module docstring)
+PDL = True
+TIMEOUT_S = 10.0     # the bound on one read of a peer's row (ranks' hosts may launch seconds apart)
+INTERPRET_POLLS = 4  # the bound under the Triton interpreter (programs run one after another there)
+# state's fields (int32)
+SEQ, ARRIVE, FAILED, FAILED_AT = 0, 1, 2, 3
+STATE_LEN = 8
+_SEQ, _ARRIVE, _FAILED, _FAILED_AT = (tl.constexpr(v) for v in (SEQ, ARRIVE, FAILED, FAILED_AT))   # (in kernels)
+
+
+class PeerTimeout(RuntimeError):
+    """A rank's kernel read a peer's row that stayed unready past the bound (the peer never
+    published it: it stopped, lags by more than the bound, or its partial sum held a NaN)."""
+
+
+@triton.jit
+def _fence_sys():
+    """fence.acq_rel.sys: this thread's earlier memory operations are ordered before its later ones
+    for observers anywhere in the system (peer GPUs included)."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _poll_row(p, ok, timeout_ns, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr):
+    """(row in FP32, number of NaN elements left): the row at p loaded until it holds no NaN, or
+    until the bound passes."""
+    v = tl.load(p, mask=ok, other=0.0, volatile=True).to(tl.float32)
+    nan = tl.sum((v != v).to(tl.int32), 0)
+    if ON_GPU:
+        t0 = globaltimer()
+    polls = 0
+    late = 0
+    while (nan > 0) & (late == 0):
+        v = tl.load(p, mask=ok, other=0.0, volatile=True).to(tl.float32)
+        nan = tl.sum((v != v).to(tl.int32), 0)
+        polls += 1
+        if ON_GPU:
+            late = (globaltimer() - t0 > timeout_ns).to(tl.int32)
+        else:
+            late = (polls >= MAX_POLLS).to(tl.int32)
+    return v, nan
+
+
+@triton.jit(launch_metadata=launch_signature)
+def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, stride_x, stride_r, stride_o, stride_o16,
+                             eps, timeout_ns, H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                             K: tl.constexpr, R: tl.constexpr, HAS16: tl.constexpr, PDL: tl.constexpr,
+                             WEIGHT_FIRST: tl.constexpr, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr,
+                             NO_REARM: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < H
+    if WEIGHT_FIRST:   # a weight: no predecessor writes it
+        wt = load_weight(WT, offs, ok)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()   # x (the predecessor's output) and the state of the previous point are final
+    seq = tl.load(STATE + _SEQ, volatile=True)
+    slot = seq & (K - 1)
+    prev = (seq + K - 1) & (K - 1)
+    own = tl.load(PTRS + RANK).to(tl.pointer_type(tl.bfloat16))
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    tl.store(own + (slot * ROWS + row) * H + offs, x, mask=ok)     # publish
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    missing = RANK * 0   # (an int32 scalar, as the branches below keep it)
+    for q in tl.static_range(R):
+        if q == RANK:
+            acc += x.to(tl.float32)
+        else:
+            base = tl.load(PTRS + q).to(tl.pointer_type(tl.bfloat16))
+            v, nan = _poll_row(base + (slot * ROWS + row) * H + offs, ok, timeout_ns, ON_GPU, MAX_POLLS)
+            missing = missing | tl.where(nan > 0, 1 << q, 0)
+            acc += v
+    if ON_GPU:
+        _fence_sys()   # acquire: what peers published before their data is visible from here on
+    xs = acc.to(tl.bfloat16).to(tl.float32)   # the all-reduced x as a BF16 all-reduce returns it
+    res_ptr = RES + row * stride_r + offs
+    r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + xs).to(RES.dtype.element_ty)
+    tl.store(res_ptr, r, mask=ok)
+    r = r.to(tl.float32)
+    ss = tl.sum(r * r, 0)
+    if not WEIGHT_FIRST:
+        wt = load_weight(WT, offs, ok)
+    y = rms_scale(r, ss, wt, H, eps)
+    o = y.to(OUT.dtype.element_ty)
+    tl.store(OUT + row * stride_o + offs, o, mask=ok)
+    if HAS16:
+        tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
+    if missing != 0:   # the failure record: which peers, and the first point (plus one)
+        tl.atomic_or(STATE + _FAILED, missing)
+        tl.atomic_cas(STATE + _FAILED_AT, 0, seq + 1)
+    if not NO_REARM:   # every row of the previous point's slot (its pass may have had more rows)
+        arm = tl.full([BLOCK_H], float("nan"), tl.float32).to(tl.bfloat16)
+        for rr in range(row, ROWS, T):
+            tl.store(own + (prev * ROWS + rr) * H + offs, arm, mask=ok)
+    if ON_GPU:
+        _fence_sys()   # release: the re-arm before anything this rank publishes later
+    ticket = tl.atomic_add(STATE + _ARRIVE, 1, sem="acq_rel")
+    if ticket == T - 1:   # the last program: every program has read seq
+        tl.atomic_xchg(STATE + _ARRIVE, 0)
+        tl.atomic_xchg(STATE + _SEQ, seq + 1)
+
+
+class PeerExchange:
+    """One rank's side of the exchange: its NaN-armed buffer ``own`` [K_SLOTS, rows, width] BF16,
+    every rank's buffer (``buffers``, by rank, its own included; a peer's opened through CUDA IPC or
+    shared within one process), their addresses on the device (``ptrs``), and the device ``state``.
+    Build it with :meth:`group` (every rank in one process: the tests), :meth:`emulated` (rank
+    emulation) or ``TorchDistComm.peer_exchange`` (real ranks); it holds no global state.
+    ``static_peers``: the peers' buffers are never armed (rank emulation: their rows read as zeros at
+    once, so the kernel does the loads a real rank does without waiting)."""
+
+    def __init__(self, buffers: list[torch.Tensor], rank: int, timeout_s: float = TIMEOUT_S,
+                 static_peers: bool = False, keep=()):
+        own = buffers[rank]
+        check(own.dim() == 3 and own.shape[0] == K_SLOTS and own.dtype == torch.bfloat16 and own.is_contiguous(),
+              f"a rank's buffer: [{K_SLOTS}, rows, width] BF16, contiguous")
+        check(all(b.shape == own.shape and b.dtype == own.dtype and b.is_contiguous() for b in buffers),
+              "every rank's buffer of one shape")
+        check(timeout_s > 0, "timeout_s > 0")
+        self.buffers, self.rank, self.size = list(buffers), int(rank), len(buffers)
+        self.own, self.rows, self.width = own, own.shape[1], own.shape[2]
+        self.timeout_s, self.static_peers, self._keep = float(timeout_s), bool(static_peers), keep
+        dev = own.device
+        self.ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=dev)
+        self.state = torch.zeros(STATE_LEN, dtype=torch.int32, device=dev)
+        own.fill_(float("nan"))
+
+    @staticmethod
+    def new_buffer(rows: int, width: int, device) -> torch.Tensor:
+        return torch.full((K_SLOTS, rows, width), float("nan"), dtype=torch.bfloat16, device=device)
+
+    @classmethod
+    def group(cls, size: int, rows: int, width: int, device, timeout_s: float = TIMEOUT_S) -> list["PeerExchange"]:
+        """Every rank's side, in one process on one device (the tests: ranks launched on separate
+        streams, or their peers' rows staged by hand)."""
+        bufs = [cls.new_buffer(rows, width, device) for _ in range(size)]
+        return [cls(bufs, r, timeout_s) for r in range(size)]
+
+    @classmethod
+    def emulated(cls, size: int, rank: int, rows: int, width: int, device,
+                 timeout_s: float = TIMEOUT_S) -> "PeerExchange":
+        """Rank emulation: one rank's buffer; every peer's is one shared zero buffer (static)."""
+        zero = torch.zeros(K_SLOTS, rows, width, dtype=torch.bfloat16, device=device)
+        bufs = [zero] * size
+        bufs[rank] = cls.new_buffer(rows, width, device)
+        return cls(bufs, rank, timeout_s, static_peers=True)
+
+    def failure(self) -> str | None:
+        """None, or what failed (reads the device state: a host synchronisation)."""
+        failed, at = (int(v) for v in self.state[FAILED:FAILED_AT + 1].tolist())
+        if not failed:
+            return None
+        peers = [q for q in range(self.size) if failed >> q & 1]
+        return (f"rank {self.rank}: the fused all-reduce's read of rank(s) {peers} stayed unready past "
+                f"its bound ({self.timeout_s:g} s on the GPU) at exchange point {at - 1} (a peer stopped, lags by more than the "
+                "bound, or published a NaN); the exchange is inconsistent from there: rebuild the engine")
+
+    def check(self) -> None:
+        """Raises :class:`PeerTimeout` if any read failed since the exchange was built."""
+        why = self.failure()
+        if why:
+            raise PeerTimeout(why)
+
+    def reset(self) -> None:
+        """Re-arms this rank's buffer and zeroes its state (every rank must do it, with no kernel of
+        the exchange in flight anywhere: e.g. between a barrier and the next one)."""
+        self.own.fill_(float("nan"))
+        self.state.zero_()
+
+
+def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, out16=None, pdl=None,
+                     weight_first=None, max_polls=None, _no_rearm=False):
+    """residual += all-reduce(x) over the exchange's ranks; out = RMSNorm(residual) * weight (BF16),
+    ``out16`` as ``fused_add_rmsnorm``'s. x [T, H] BF16: this rank's partial sum (T <= the
+    exchange's rows, H its width). One launch; see the module docstring. ``max_polls``: the
+    interpreter's bound (default INTERPRET_POLLS). ``_no_rearm``: the tests' negative control (slots
+    never re-armed: a lagging peer's stale row is read as its new one)."""
+    check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [T, H] BF16, contiguous rows")
+    T, H = x.shape
+    check(residual.shape == x.shape and residual.stride(1) == 1, "residual [T, H]")
+    check(weight.shape == (H,) and weight.stride(0) == 1, "weight [H]")
+    check(H == xchg.width and 1 <= T <= xchg.rows, f"x [T <= {xchg.rows}, {xchg.width}] (the exchange's shape)")
+    check(x.device == residual.device == weight.device == xchg.own.device, "one device")
+    if out is None:
+        out = torch.empty((T, H), device=x.device, dtype=torch.bfloat16)
+    check(out.shape == (T, H) and out.stride(1) == 1, "out [T, H]")
+    has16 = out16 is not None
+    if has16:
+        check(out16.shape == (T, H) and out16.stride(1) == 1 and out16.dtype == torch.float16, "out16 [T, H] FP16")
+    block_h = next_pow2(H)
+    check(block_h <= 32768, "H <= 32768")
+    use_pdl = pdl_supported(x.device) and (PDL if pdl is None else bool(pdl))
+    _peer_add_rmsnorm_kernel[(T,)](
+        x, residual, weight, out, out16 if has16 else out, xchg.ptrs, xchg.state, T, xchg.rank,
+        x.stride(0), residual.stride(0), out.stride(0), out16.stride(0) if has16 else 0, float(eps),
+        int(xchg.timeout_s * 1e9),
+        H=H, BLOCK_H=block_h, ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, HAS16=has16, PDL=use_pdl,
+        WEIGHT_FIRST=resolve_weight_first(weight_first), ON_GPU=compiled_cuda(x.device),
+        MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), NO_REARM=bool(_no_rearm),
+        num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return out
+
+
+def peer_add_rmsnorm_reference(parts: list[torch.Tensor], residual, weight, eps):
+    """The kernel's contract in torch: (residual_out, the all-reduced BF16 x) of the ranks' partial
+    sums ``parts`` (BF16, in rank order) summed in FP32 in that order, then rounded."""
+    acc = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    for p in parts:
+        acc += p.float()
+    xs = acc.to(torch.bfloat16)
+    return (residual.float() + xs.float()).to(residual.dtype), xs

@@ -1,0 +1,224 @@
+"""The fused all-reduce + residual add + RMSNorm (runtime/kernels/peer.py) against all-reduce-then-norm.
+
+Every rank's side of an exchange lives in this process (``PeerExchange.group``). Two ways to run them:
+
+- staged (CPU in the interpreter, and the GPU): for each point, every rank's publication is written
+  into its slot first (what each rank's kernel does first), then each rank's kernel runs in turn;
+- concurrent (GPU): each rank's kernels on a stream of its own, one rank at a time held back by a
+  device-side sleep, so that the others poll its slots while it lags.
+
+Checks: each rank's residual and output against the rank-order FP32 sum of the partials rounded to BF16
+and then ``fused_add_rmsnorm`` (bit for bit on the GPU; in the interpreter, whose FP32 -> BF16 conversion
+truncates, within one BF16 step / TOL of the FP64 norm); every rank the same bits; after each point the
+own slot holds the published row, the previous slot is re-armed (NaN), the sequence number advanced.
+A peer that never publishes ends in the failure exit, reported (``PeerTimeout``), not a hang.
+
+Negative control (``_no_rearm``, slots never re-armed): the re-arm check fails, and a lagging peer's
+stale row from K points earlier is read as its new one, with no failure reported: the result is wrong.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ._checks import max_row_rel_err
+from .conftest import HAS_CUDA, cpu_only, load_kernels
+
+TOL = 1e-2
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+EPS = 1e-6
+
+
+def parts_for(R, T, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEV) for _ in range(R)]
+
+
+def expected(Nm, Pm, parts, res, wt):
+    """(residual, out, out16) of all-reduce-then-norm on a copy of ``res``."""
+    r = res.clone()
+    _, xs = Pm.peer_add_rmsnorm_reference(parts, res, wt, EPS)
+    out16 = torch.empty(r.shape, dtype=torch.float16, device=DEV)
+    out = Nm.fused_add_rmsnorm(xs, r, wt, EPS, out16=out16)
+    return r, out, out16
+
+
+def stage(Pm, xchg, parts, seq):
+    """What a rank's kernel publishes first: its partial rows into its slot seq mod K."""
+    xchg.own[seq % Pm.K_SLOTS, :parts.shape[0]] = parts
+
+
+def close(a, b, exact, xs=None):
+    """a == b (exact), or within the interpreter's two truncations: the sum xs's and the residual's
+    (a BF16 step of each); a rank's partial left out or counted twice is ~100x that."""
+    if exact:
+        return torch.equal(a, b)
+    ulp = (b.float().abs() + xs.float().abs()) * 2.0 ** -7 + 1e-30
+    return bool(((a.float() - b.float()).abs() <= ulp).all())
+
+
+def run_staged(R, H, rows_seq, seed, exact, **kw):
+    """Points with the row counts ``rows_seq``, every rank staged then run; returns the problems found."""
+    Nm, Pm = load_kernels("norm"), load_kernels("peer")
+    ex = Pm.PeerExchange.group(R, max(rows_seq), H, DEV)
+    g = torch.Generator().manual_seed(seed)
+    res0 = (torch.randn(max(rows_seq), H, generator=g) * 4).to(torch.bfloat16).to(DEV)
+    wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEV)
+    problems = []
+    for n, T in enumerate(rows_seq):
+        parts = parts_for(R, T, H, seed * 100 + n)
+        for q in range(R):
+            stage(Pm, ex[q], parts[q], n)
+        r_exp, o_exp, o16_exp = expected(Nm, Pm, parts, res0[:T], wt)
+        outs = []
+        for q in range(R):
+            res = res0[:T].clone()
+            o16 = torch.full((T, H), float("nan"), dtype=torch.float16, device=DEV)
+            o = Pm.peer_add_rmsnorm(parts[q], res, wt, EPS, ex[q], out16=o16, **kw)
+            outs.append((res, o, o16))
+            if not close(res, r_exp, exact, Pm.peer_add_rmsnorm_reference(parts, res0[:T], wt, EPS)[1]):
+                problems.append(f"point {n} rank {q}: residual")
+            if exact and not (torch.equal(o, o_exp) and torch.equal(o16, o16_exp)):
+                problems.append(f"point {n} rank {q}: output")
+            if not exact:
+                rd = res.double()
+                n_ref = rd * torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + EPS) * wt.double()
+                if max_row_rel_err(o, n_ref) >= TOL:
+                    problems.append(f"point {n} rank {q}: output off the FP64 norm")
+            st = ex[q].state.tolist()
+            if st[Pm.SEQ] != n + 1 or st[Pm.ARRIVE] != 0 or ex[q].failure() is not None:
+                problems.append(f"point {n} rank {q}: state {st}")
+            if not torch.equal(ex[q].own[n % Pm.K_SLOTS, :T], parts[q]):
+                problems.append(f"point {n} rank {q}: not published")
+            if n > 0 and not bool(ex[q].own[(n - 1) % Pm.K_SLOTS].isnan().all()):
+                problems.append(f"point {n} rank {q}: previous slot not re-armed")
+        if not all(torch.equal(outs[0][i], o[i]) for o in outs[1:] for i in range(3)):
+            problems.append(f"point {n}: ranks differ")
+    return problems
+
+
+def lagging_peer(R, H, timeout_s, **kw):
+    """K points with every rank, then a point where rank R - 1 never publishes: (rank 0's failure
+    message or None, whether its residual is the stale-read result)."""
+    Nm, Pm = load_kernels("norm"), load_kernels("peer")
+    ex = Pm.PeerExchange.group(R, 4, H, DEV, timeout_s=timeout_s)
+    wt = torch.ones(H, dtype=torch.bfloat16, device=DEV)
+    history = []
+    for n in range(Pm.K_SLOTS):
+        parts = parts_for(R, 4, H, 7 + n)
+        history.append(parts)
+        for q in range(R):
+            stage(Pm, ex[q], parts[q], n)
+        for q in range(R):
+            Pm.peer_add_rmsnorm(parts[q], torch.zeros(4, H, dtype=torch.bfloat16, device=DEV), wt, EPS, ex[q],
+                                max_polls=2, **kw)
+    assert all(x.failure() is None for x in ex)
+    new = parts_for(R, 4, H, 99)
+    for q in range(1, R - 1):   # the other peers publish point K
+        stage(Pm, ex[q], new[q], Pm.K_SLOTS)
+    res = torch.zeros(4, H, dtype=torch.bfloat16, device=DEV)
+    Pm.peer_add_rmsnorm(new[0], res, wt, EPS, ex[0], max_polls=2, **kw)     # rank R - 1 lags: never publishes
+    stale = [new[q] for q in range(R - 1)] + [history[0][R - 1]]          # its slot's old data, K points back
+    r_stale, xs = Pm.peer_add_rmsnorm_reference(stale, torch.zeros_like(res), wt, EPS)
+    return ex[0].failure(), close(res, r_stale, HAS_CUDA, xs), ex[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,H", [(2, 6144), (4, 6144), (8, 6144), (3, 256)])
+def test_gpu_staged_matches_all_reduce_then_norm(R, H):
+    assert run_staged(R, H, [8, 1, 6, 8, 4, 8, 5], seed=R * H, exact=True) == []
+
+
+@cpu_only
+@pytest.mark.parametrize("R", [2, 3])
+def test_interp_staged_matches_all_reduce_then_norm(R):
+    assert run_staged(R, 256, [4, 1, 3, 4, 2, 4], seed=R, exact=False) == []
+
+
+def _no_rearm_caught(H, exact):
+    problems = run_staged(2, H, [4, 2, 4], seed=5, exact=exact, _no_rearm=True)
+    return any("re-armed" in p for p in problems)
+
+
+@pytest.mark.gpu
+def test_gpu_no_rearm_control_fails_the_check():
+    assert _no_rearm_caught(6144, exact=True)
+
+
+@cpu_only
+def test_interp_no_rearm_control_fails_the_check():
+    assert _no_rearm_caught(256, exact=False)
+
+
+def _lagging_checks(H, timeout_s):
+    Pm = load_kernels("peer")
+    why, stale, xchg = lagging_peer(3, H, timeout_s)
+    assert why is not None and "rank(s) [2]" in why and "point 4" in why, why
+    with pytest.raises(Pm.PeerTimeout):
+        xchg.check()
+    assert not stale
+    # negative control: without the re-arm the lagging rank's row from K points back is read as new
+    why, stale, _ = lagging_peer(3, H, timeout_s, _no_rearm=True)
+    assert why is None and stale
+
+
+@pytest.mark.gpu
+def test_gpu_lagging_peer_is_reported_not_read_stale():
+    _lagging_checks(6144, timeout_s=0.02)
+
+
+@cpu_only
+def test_interp_lagging_peer_is_reported_not_read_stale():
+    _lagging_checks(256, timeout_s=1.0)
+
+
+def run_concurrent(R, H, points, sleep_cycles, **kw):
+    """Each rank on its own stream; before each point one rank (rotating) sleeps on the device.
+    Returns (mismatches against the expected results, failures)."""
+    Nm, Pm = load_kernels("norm"), load_kernels("peer")
+    ex = Pm.PeerExchange.group(R, 8, H, DEV, timeout_s=2.0)
+    g = torch.Generator().manual_seed(R)
+    res0 = (torch.randn(8, H, generator=g) * 4).to(torch.bfloat16).to(DEV)
+    wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEV)
+    rows = [(1 + (n * 5) % 8) for n in range(points)]
+    parts = [parts_for(R, rows[n], H, 1000 + n) for n in range(points)]
+    want, r = [], res0.clone()
+    for n in range(points):       # the residual carries from point to point, as in a pass
+        T = rows[n]
+        rt, o, _ = expected(Nm, Pm, parts[n], r[:T], wt)
+        r[:T] = rt
+        want.append((rt.clone(), o))
+    streams = [torch.cuda.Stream(DEV) for _ in range(R)]
+    res = [res0.clone() for _ in range(R)]
+    outs = [[None] * points for _ in range(R)]
+    torch.cuda.synchronize(DEV)
+    for n in range(points):
+        for q in range(R):
+            with torch.cuda.stream(streams[q]):
+                if q == n % R:
+                    torch.cuda._sleep(sleep_cycles)
+                T = rows[n]
+                outs[q][n] = (Pm.peer_add_rmsnorm(parts[n][q], res[q][:T], wt, EPS, ex[q], **kw),
+                              res[q][:T].clone())
+    torch.cuda.synchronize(DEV)
+    bad = sum(not (torch.equal(outs[q][n][0], want[n][1]) and torch.equal(outs[q][n][1], want[n][0]))
+              for q in range(R) for n in range(points))
+    return bad, [x.failure() for x in ex if x.failure()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [2, 4])
+def test_gpu_concurrent_ranks_match(R):
+    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000)
+    assert failed == [] and bad == 0, (bad, failed)
+    # negative control: without the re-arm, the ranks that run ahead read the sleeper's stale rows
+    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000, _no_rearm=True)
+    assert bad > 0 and failed == [], (bad, failed)
+
+
+def test_exchange_shape_errors():
+    Pm = load_kernels("peer")
+    ex = Pm.PeerExchange.group(2, 4, 256, DEV)[0]
+    x = torch.zeros(5, 256, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="exchange's shape"):
+        Pm.peer_add_rmsnorm(x, x.clone(), torch.ones(256, dtype=torch.bfloat16, device=DEV), EPS, ex)
