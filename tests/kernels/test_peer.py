@@ -100,7 +100,7 @@ def run_staged(R, H, rows_seq, seed, exact, **kw):
 def lagging_peer(R, H, timeout_s, **kw):
     """K points with every rank, then a point where rank R - 1 never publishes: (rank 0's failure
     message or None, whether its residual is the stale-read result)."""
-    Nm, Pm = load_kernels("norm"), load_kernels("peer")
+    Pm = load_kernels("peer")
     ex = Pm.PeerExchange.group(R, 4, H, DEV, timeout_s=timeout_s)
     wt = torch.ones(H, dtype=torch.bfloat16, device=DEV)
     history = []
