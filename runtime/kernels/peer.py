@@ -17,13 +17,14 @@ The kernel (``_peer_add_rmsnorm_kernel``, grid (T,), program = one row)
    s = n mod K.
 2. Publishes its row of x (the rank's partial sum, BF16) into its own slot s: the store that
    overwrites the NaNs is the signal (no flag).
-3. For every rank q in rank order: its own row from registers; a peer's row loaded (volatile) from
-   the peer's slot s until no element is NaN, or until the bound passes (``timeout_s``, the GPU's
-   global timer; under the interpreter a number of polls): then bit q of the failure record is set
-   and the kernel finishes with what it read (the host reports it: :meth:`PeerExchange.check`,
-   never a hang). The rows are summed in FP32 in rank order, so every rank sums the same BF16 values
-   in the same order and gets the same bits; the sum is rounded to BF16 (what an all-reduce of BF16
-   tensors returns).
+3. Loads every peer's row from the peer's slot s (volatile loads, all in flight together; its own
+   row from registers) and sums the rows in FP32 in rank order. While any element is NaN (a peer has
+   not published yet) it loads them all again, until the bound passes (``timeout_s``, the GPU's
+   global timer; under the interpreter a number of polls; a NaN in any row makes its column's sum
+   NaN, so one count covers every rank): then the bits of the unready ranks are
+   set in the failure record and the kernel finishes with what it read (the host reports it:
+   :meth:`PeerExchange.check`, never a hang). Every rank sums the same BF16 values in the same order
+   and so gets the same bits; the sum is rounded to BF16 (what an all-reduce of BF16 tensors returns).
 4. residual += sum; out = RMSNorm(residual) * weight (and out16), exactly as ``fused_add_rmsnorm``
    does with that sum as its x: the same bits as all-reduce-then-norm with a rank-order FP32 sum.
 5. Re-arms its own slot (n - 1) mod K, every row of it, with NaN; then the last program to arrive
@@ -75,24 +76,33 @@ def _fence_sys():
 
 
 @triton.jit
-def _poll_row(p, ok, timeout_ns, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr):
-    """(row in FP32, number of NaN elements left): the row at p loaded until it holds no NaN, or
-    until the bound passes."""
-    v = tl.load(p, mask=ok, other=0.0, volatile=True).to(tl.float32)
-    nan = tl.sum((v != v).to(tl.int32), 0)
-    if ON_GPU:
-        t0 = globaltimer()
-    polls = 0
-    late = 0
-    while (nan > 0) & (late == 0):
-        v = tl.load(p, mask=ok, other=0.0, volatile=True).to(tl.float32)
-        nan = tl.sum((v != v).to(tl.int32), 0)
-        polls += 1
-        if ON_GPU:
-            late = (globaltimer() - t0 > timeout_ns).to(tl.int32)
-        else:
-            late = (polls >= MAX_POLLS).to(tl.int32)
-    return v, nan
+def _row(PTRS, q, off, offs, ok, x, RANK):
+    """Rank q's row at element offset ``off`` of its buffer in FP32 (this rank's own: ``x``)."""
+    # (the buffers are 16-byte aligned allocations: the hint lets the loads be 16-byte vectors)
+    base = tl.multiple_of(tl.load(PTRS + q).to(tl.pointer_type(tl.bfloat16)), 16)
+    v = tl.load(base + off + offs, mask=ok & (q != RANK), other=0.0, volatile=True).to(tl.float32)
+    return tl.where(q == RANK, x, v)
+
+
+@triton.jit
+def _gather(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
+    """(sum over ranks in rank order in FP32, its NaN elements) of every rank's row. No branch
+    between the peers' loads, so they are all in flight together; a NaN anywhere (an unpublished
+    element) makes its column's sum NaN, so one count covers every rank."""
+    acc = tl.zeros(offs.shape, dtype=tl.float32)
+    for q in tl.static_range(R):
+        acc += _row(PTRS, q, off, offs, ok, x, RANK)
+    return acc, tl.sum((acc != acc).to(tl.int32), 0)
+
+
+@triton.jit
+def _unready(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
+    """Bit mask of the ranks whose row still holds a NaN (the failure record; the rare path)."""
+    missing = RANK * 0
+    for q in tl.static_range(R):
+        v = _row(PTRS, q, off, offs, ok, x, RANK)
+        missing = missing | tl.where(tl.sum((v != v).to(tl.int32), 0) > 0, 1 << q, 0)
+    return missing
 
 
 @triton.jit(launch_metadata=launch_signature)
@@ -112,19 +122,24 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
     seq = tl.load(STATE + _SEQ, volatile=True)
     slot = seq & (K - 1)
     prev = (seq + K - 1) & (K - 1)
-    own = tl.load(PTRS + RANK).to(tl.pointer_type(tl.bfloat16))
+    own = tl.multiple_of(tl.load(PTRS + RANK).to(tl.pointer_type(tl.bfloat16)), 16)
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     tl.store(own + (slot * ROWS + row) * H + offs, x, mask=ok)     # publish
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    missing = RANK * 0   # (an int32 scalar, as the branches below keep it)
-    for q in tl.static_range(R):
-        if q == RANK:
-            acc += x.to(tl.float32)
-        else:
-            base = tl.load(PTRS + q).to(tl.pointer_type(tl.bfloat16))
-            v, nan = _poll_row(base + (slot * ROWS + row) * H + offs, ok, timeout_ns, ON_GPU, MAX_POLLS)
-            missing = missing | tl.where(nan > 0, 1 << q, 0)
-            acc += v
+    off = (slot * ROWS + row) * H
+    xf = x.to(tl.float32)
+    acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
+    if nan > 0:   # a peer has not published yet: poll every rank's row again until the bound passes
+        if ON_GPU:
+            t0 = globaltimer()
+        polls = 0
+        late = 0
+        while (nan > 0) & (late == 0):
+            acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
+            polls += 1
+            if ON_GPU:
+                late = (globaltimer() - t0 > timeout_ns).to(tl.int32)
+            else:
+                late = (polls >= MAX_POLLS).to(tl.int32)
     if ON_GPU:
         _fence_sys()   # acquire: what peers published before their data is visible from here on
     xs = acc.to(tl.bfloat16).to(tl.float32)   # the all-reduced x as a BF16 all-reduce returns it
@@ -140,8 +155,8 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
     tl.store(OUT + row * stride_o + offs, o, mask=ok)
     if HAS16:
         tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
-    if missing != 0:   # the failure record: which peers, and the first point (plus one)
-        tl.atomic_or(STATE + _FAILED, missing)
+    if nan > 0:   # the failure record: which ranks, and the first point (plus one)
+        tl.atomic_or(STATE + _FAILED, _unready(PTRS, off, offs, ok, xf, RANK, R))
         tl.atomic_cas(STATE + _FAILED_AT, 0, seq + 1)
     if not NO_REARM:   # every row of the previous point's slot (its pass may have had more rows)
         arm = tl.full([BLOCK_H], float("nan"), tl.float32).to(tl.bfloat16)
