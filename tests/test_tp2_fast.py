@@ -263,8 +263,10 @@ def test_fused_allreduce_config_errors():
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs where there is no CUDA")
 def test_interpreted_fused_allreduce_failure_is_reported(interp):
-    """An engine built with tp.fused_allreduce (rank emulation: this rank's exchange in full) reports a
-    read that took the failure exit when the host reads its results; a clean exchange does not."""
+    """An engine built with tp.fused_allreduce (rank emulation: this rank's exchange in full) steps
+    without a host synchronisation (verify and two drafts under the guard: 3 + 1 + 1 exchange points),
+    and reports a read that took the failure exit when the host reads its results; a clean exchange
+    does not."""
     from runtime.kernels.peer import FAILED, FAILED_AT, PeerTimeout
 
     cfg = model_cfg("tiny")
@@ -272,7 +274,10 @@ def test_interpreted_fused_allreduce_failure_is_reported(interp):
                                    "tp": {"size": 2, "emulate_rank": 0, "fused_allreduce": True}})
     eng = Engine(cfg, rt, dict(random_tensors(cfg, rt.tp, seed=0)))
     assert eng.model._has_peers() and eng.model._xchg.static_peers
-    _, st = eng.start(prompt_for(cfg, 12), 0, 4)
+    rnd, st = eng.start(prompt_for(cfg, 12), 0, 4)
+    before = eng.model._xchg.state[0].item()     # (the start's own decode passes took points too)
+    guarded_step(rnd, st, 2)
+    assert eng.model._xchg.state[0].item() - before == 5
     eng.result(st, [])
     eng.model._xchg.state[FAILED], eng.model._xchg.state[FAILED_AT] = 2, 8
     with pytest.raises(PeerTimeout, match=r"rank\(s\) \[1\] .* point 7"):
