@@ -317,10 +317,11 @@ class FastModel(Model):
 
     def use_peer_exchange(self, timeout_s: float | None = None, exchange=None) -> None:
         """The fused all-reduce (tp.fused_allreduce; DESIGN.md "Tensor parallel"): each all-reduce that
-        a residual add + RMSNorm follows (after the output projection; after the MoE but the pass's
-        last) runs inside that norm's kernel (``peer_add_rmsnorm``) over ``exchange``, by default
-        ``comm.peer_exchange`` (a collective under real TP). The embedding's, the pass's last and the
-        logits' collectives stay on comm. Needs the fast norm and MoE kernels."""
+        a residual add + RMSNorm follows (after the output projection; after the MoE) runs inside that
+        norm's kernel (``peer_add_rmsnorm``) over ``exchange``, by default ``comm.peer_exchange`` (a
+        collective under real TP); so do the embedding's (the norm after it, the residual's start) and
+        the pass's last MoE's (the add alone). The logits' and the sampling candidates' gathers stay on
+        comm. Needs the fast norm and MoE kernels."""
         if self.kernels.norm != "fast" or self.kernels.moe != "fast":
             raise ConfigError("tp.fused_allreduce runs inside the norm kernels after the fast MoE: it needs "
                               "kernels.norm=fast and kernels.moe=fast")
@@ -379,6 +380,11 @@ class FastModel(Model):
         (``rmsnorm`` gathering the rank's embedding rows) with the fused glue where no peer's rows are
         needed (one rank, or rank emulation: the all-reduce is then still counted as excluded);
         otherwise the reference's ``embed_tokens`` and the norm."""
+        if self._xchg is not None:   # the rank's rows, all-reduced inside the norm's kernel
+            e = self.embed_tokens(tokens, reduce=False)
+            res = torch.empty_like(e) if x_out is None else x_out
+            return _peer.peer_add_rmsnorm(e, res, w, self.cfg.rms_norm_eps, self._xchg, out=out, add=False,
+                                          weight_first=self.norm_weight_first)
         if self.kernels.norm == "fast" and self.fused_glue and not self._has_peers():
             out = _norm.rmsnorm(self.embed, w, self.cfg.rms_norm_eps, out, x_out=x_out, ids=tokens,
                                 vocab_start=self.shard.vocab_start, vocab_size=self.shard.vocab_size,
@@ -634,10 +640,11 @@ class FastModel(Model):
             if i + 1 < len(layers) and self._moe_norm_fusable():
                 h = self._moe_fast(lw, h, h16, norm=(r, layers[i + 1].ln1), routed=routed)   # r += moe, h = norm(r)
                 continue
-            last = i + 1 == len(layers)
-            m = self._moe_fast(lw, h, h16, routed=routed, reduce=fused_ar is None or last)
-            if not last:
+            m = self._moe_fast(lw, h, h16, routed=routed, reduce=fused_ar is None)
+            if i + 1 < len(layers):
                 h = self._reduce_add_norm(m, r, layers[i + 1].ln1)   # r += moe
+            elif fused_ar is not None:   # r += moe, all-reduced in the kernel (no norm: the pass's end)
+                _peer.peer_add_rmsnorm(m, r, None, eps, fused_ar, norm=False)
             else:
                 r.add_(m)
         if xpf is not None:   # the side stream joins (a capture must end on one stream)

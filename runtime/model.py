@@ -261,11 +261,13 @@ class Model:
         return ModelCache([make(lw.kind) for lw in self.layers], [make(m.layer.kind) for m in self.mtp])
 
     # ---- pieces -------------------------------------------------------------------------------------
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, tokens: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The tokens' embedding rows (all-reduced over the ranks' vocabulary slices; ``reduce=False``:
+        this rank's slice only, zero rows for the others' tokens)."""
         local = tokens - self.shard.vocab_start
         inside = (local >= 0) & (local < self.shard.vocab_size)
         e = self.embed[local.clamp(0, self.shard.vocab_size - 1)] * inside[:, None].to(self.dtype)
-        return self.comm.all_reduce(e) if self.shard.tp_size > 1 else e
+        return self.comm.all_reduce(e) if self.shard.tp_size > 1 and reduce else e
 
     def attention(self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                   mode: str) -> torch.Tensor:

@@ -110,11 +110,11 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
                              eps, timeout_ns, H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                              K: tl.constexpr, R: tl.constexpr, HAS16: tl.constexpr, PDL: tl.constexpr,
                              WEIGHT_FIRST: tl.constexpr, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr,
-                             NO_REARM: tl.constexpr):
+                             NO_REARM: tl.constexpr, ADD: tl.constexpr = True, NORM: tl.constexpr = True):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
-    if WEIGHT_FIRST:   # a weight: no predecessor writes it
+    if WEIGHT_FIRST and NORM:   # a weight: no predecessor writes it
         wt = load_weight(WT, offs, ok)
     if PDL:
         gdc_launch_dependents()
@@ -144,17 +144,21 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
         _fence_sys()   # acquire: what peers published before their data is visible from here on
     xs = acc.to(tl.bfloat16).to(tl.float32)   # the all-reduced x as a BF16 all-reduce returns it
     res_ptr = RES + row * stride_r + offs
-    r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + xs).to(RES.dtype.element_ty)
+    if ADD:
+        r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + xs).to(RES.dtype.element_ty)
+    else:   # the residual stream starts here (the embedding): r = the sum
+        r = xs.to(RES.dtype.element_ty)
     tl.store(res_ptr, r, mask=ok)
-    r = r.to(tl.float32)
-    ss = tl.sum(r * r, 0)
-    if not WEIGHT_FIRST:
-        wt = load_weight(WT, offs, ok)
-    y = rms_scale(r, ss, wt, H, eps)
-    o = y.to(OUT.dtype.element_ty)
-    tl.store(OUT + row * stride_o + offs, o, mask=ok)
-    if HAS16:
-        tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
+    if NORM:
+        r = r.to(tl.float32)
+        ss = tl.sum(r * r, 0)
+        if not WEIGHT_FIRST:
+            wt = load_weight(WT, offs, ok)
+        y = rms_scale(r, ss, wt, H, eps)
+        o = y.to(OUT.dtype.element_ty)
+        tl.store(OUT + row * stride_o + offs, o, mask=ok)
+        if HAS16:
+            tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
     if nan > 0:   # the failure record: which ranks, and the first point (plus one)
         tl.atomic_or(STATE + _FAILED, _unready(PTRS, off, offs, ok, xf, RANK, R))
         tl.atomic_cas(STATE + _FAILED_AT, 0, seq + 1)
@@ -238,16 +242,20 @@ class PeerExchange:
         self.state.zero_()
 
 
-def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, out16=None, pdl=None,
-                     weight_first=None, max_polls=None, _no_rearm=False):
+def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, out16=None, add=True, norm=True,
+                     pdl=None, weight_first=None, max_polls=None, _no_rearm=False):
     """residual += all-reduce(x) over the exchange's ranks; out = RMSNorm(residual) * weight (BF16),
     ``out16`` as ``fused_add_rmsnorm``'s. x [T, H] BF16: this rank's partial sum (T <= the
-    exchange's rows, H its width). One launch; see the module docstring. ``max_polls``: the
+    exchange's rows, H its width). One launch; see the module docstring. ``add=False``: residual =
+    all-reduce(x) (not read: a residual stream's start). ``norm=False``: no norm (weight, out and
+    out16 unused; returns residual). ``max_polls``: the
     interpreter's bound (default INTERPRET_POLLS). ``_no_rearm``: the tests' negative control (slots
     never re-armed: a lagging peer's stale row is read as its new one)."""
     check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [T, H] BF16, contiguous rows")
     T, H = x.shape
     check(residual.shape == x.shape and residual.stride(1) == 1, "residual [T, H]")
+    if not norm:
+        weight, out, out16 = residual[0], residual, None    # (not read or written)
     check(weight.shape == (H,) and weight.stride(0) == 1, "weight [H]")
     check(H == xchg.width and 1 <= T <= xchg.rows, f"x [T <= {xchg.rows}, {xchg.width}] (the exchange's shape)")
     check(x.device == residual.device == weight.device == xchg.own.device, "one device")
@@ -267,10 +275,10 @@ def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, 
         H=H, BLOCK_H=block_h, ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, HAS16=has16, PDL=use_pdl,
         WEIGHT_FIRST=resolve_weight_first(weight_first), ON_GPU=compiled_cuda(x.device),
         MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), NO_REARM=bool(_no_rearm),
-        num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        ADD=bool(add), NORM=bool(norm), num_warps=NUM_WARPS if block_h >= 4096 else 4,
         **({"launch_pdl": True} if use_pdl else {}),
     )
-    return out
+    return out if norm else residual
 
 
 def peer_add_rmsnorm_reference(parts: list[torch.Tensor], residual, weight, eps):

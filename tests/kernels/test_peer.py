@@ -57,8 +57,13 @@ def close(a, b, exact, xs=None):
     return bool(((a.float() - b.float()).abs() <= ulp).all())
 
 
+MODES = ("add_norm", "add_norm", "start", "add_only")   # by point, in turn
+
+
 def run_staged(R, H, rows_seq, seed, exact, **kw):
-    """Points with the row counts ``rows_seq``, every rank staged then run; returns the problems found."""
+    """Points with the row counts ``rows_seq``, every rank staged then run; returns the problems found.
+    The kernel's three forms in turn (MODES): add + norm, a residual's start (add=False: the residual
+    is the sum, then the norm) and the add alone (norm=False: the outputs stay as poisoned)."""
     Nm, Pm = load_kernels("norm"), load_kernels("peer")
     ex = Pm.PeerExchange.group(R, max(rows_seq), H, DEV)
     g = torch.Generator().manual_seed(seed)
@@ -69,18 +74,27 @@ def run_staged(R, H, rows_seq, seed, exact, **kw):
         parts = parts_for(R, T, H, seed * 100 + n)
         for q in range(R):
             stage(Pm, ex[q], parts[q], n)
-        r_exp, o_exp, o16_exp = expected(Nm, Pm, parts, res0[:T], wt)
+        mode = MODES[n % len(MODES)]
+        base = torch.zeros_like(res0[:T]) if mode == "start" else res0[:T]
+        r_exp, o_exp, o16_exp = expected(Nm, Pm, parts, base, wt)
+        if mode == "add_only":
+            o_exp = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+            o16_exp = o_exp.half()
         outs = []
         for q in range(R):
             res = res0[:T].clone()
             o16 = torch.full((T, H), float("nan"), dtype=torch.float16, device=DEV)
-            o = Pm.peer_add_rmsnorm(parts[q], res, wt, EPS, ex[q], out16=o16, **kw)
+            o = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+            Pm.peer_add_rmsnorm(parts[q], res, wt, EPS, ex[q], out=o, out16=o16, add=mode != "start",
+                                norm=mode != "add_only", **kw)
             outs.append((res, o, o16))
-            if not close(res, r_exp, exact, Pm.peer_add_rmsnorm_reference(parts, res0[:T], wt, EPS)[1]):
+            if not close(res, r_exp, exact, Pm.peer_add_rmsnorm_reference(parts, base, wt, EPS)[1]):
                 problems.append(f"point {n} rank {q}: residual")
-            if exact and not (torch.equal(o, o_exp) and torch.equal(o16, o16_exp)):
+            if mode == "add_only" and not (o.isnan().all() and o16.isnan().all()):
+                problems.append(f"point {n} rank {q}: add alone wrote an output")
+            elif exact and mode != "add_only" and not (torch.equal(o, o_exp) and torch.equal(o16, o16_exp)):
                 problems.append(f"point {n} rank {q}: output")
-            if not exact:
+            if not exact and mode != "add_only":
                 rd = res.double()
                 n_ref = rd * torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + EPS) * wt.double()
                 if max_row_rel_err(o, n_ref) >= TOL:
@@ -92,7 +106,7 @@ def run_staged(R, H, rows_seq, seed, exact, **kw):
                 problems.append(f"point {n} rank {q}: not published")
             if n > 0 and not bool(ex[q].own[(n - 1) % Pm.K_SLOTS].isnan().all()):
                 problems.append(f"point {n} rank {q}: previous slot not re-armed")
-        if not all(torch.equal(outs[0][i], o[i]) for o in outs[1:] for i in range(3)):
+        if not all(torch.equal(outs[0][i].nan_to_num(), o[i].nan_to_num()) for o in outs[1:] for i in range(3)):
             problems.append(f"point {n}: ranks differ")
     return problems
 
