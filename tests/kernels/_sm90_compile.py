@@ -282,7 +282,8 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS, PF):
 
 def _launch_peer(PE):
     """The fused all-reduce + add + RMSNorm (runtime/kernels/peer.py) at q1 (H = 6144) and q1-tiny
-    widths, 2 and 8 ranks, 1 and 8 rows, with and without the FP16 copy and the re-arm."""
+    widths, 2 and 8 ranks, 1 and 8 rows, with and without the FP16 copy and the re-arm, and its forms
+    without the add and without the norm."""
     bf = torch.bfloat16
     for R, H in itertools.product((2, 8), (6144, 256)):
         xchg = PE.PeerExchange.group(R, 8, H, "cpu")[R - 1]
@@ -291,6 +292,8 @@ def _launch_peer(PE):
             PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, weight_first=first,
                                 out16=torch.empty(T, H).half() if first else None)
         PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, _no_rearm=True)
+        PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, add=False)   # a residual's start
+        PE.peer_add_rmsnorm(x, x.clone(), None, 1e-6, xchg, norm=False)                 # a pass's last add
 
 
 def main():
