@@ -49,6 +49,12 @@ emulated) it takes two launches (``_sample_fast``): each rank's top k of its voc
 after the candidates' exchange (an excluded no-op under emulation), the draw over every rank's
 candidates: the same ids, probabilities and draw as one launch over the whole vocabulary.
 
+Tensor parallelism: with peers, the all-reduces come between the projections and the norms (the
+fusions above that join them are single-rank ones). ``tp.fused_allreduce`` (:meth:`FastModel.use_peer_exchange`)
+moves every all-reduce that a norm follows into that norm's kernel (``runtime/kernels/peer.py``): the
+ranks read each other's partial sums from NaN-armed buffers; the embedding rows' (the residual's start)
+and a pass's last MoE's (the add alone) too.
+
 Launches: the kernels of a decode pass are programmatic dependents (sm_90+): each launches while the
 one before it runs and waits (griddepcontrol.wait) before reading that kernel's output. A kernel that
 reads anything before its wait (the MoE Down reads the expert ids; the attention split reads
