@@ -64,7 +64,8 @@ def prompt_for(cfg, n):
 def engines(cfg, rt: dict, tensors, fused=False):
     """The FP32 reference engine and the fast engine (BF16) over the same tensors; ``fused``: the fast
     one with tp.fused_allreduce."""
-    tp = {**rt["tp"], "fused_allreduce": True} if fused else rt.get("tp", {})
+    # (a generous bound: a rank may compile kernels the other has compiled already)
+    tp = {**rt["tp"], "fused_allreduce": True, "peer_timeout_s": 120.0} if fused else rt.get("tp", {})
     return (Engine(cfg, runtime_config_from_dict(rt), tensors),
             Engine(cfg, runtime_config_from_dict({**rt, "backend": "fast", "dtype": "bfloat16", "tp": tp}),
                    tensors))
