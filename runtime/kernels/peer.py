@@ -273,9 +273,9 @@ def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, 
         x.stride(0), residual.stride(0), out.stride(0), out16.stride(0) if has16 else 0, float(eps),
         int(xchg.timeout_s * 1e9),
         H=H, BLOCK_H=block_h, ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, HAS16=has16, PDL=use_pdl,
-        WEIGHT_FIRST=resolve_weight_first(weight_first), ON_GPU=compiled_cuda(x.device),
+        WEIGHT_FIRST=resolve_weight_first(weight_first) and bool(norm), ON_GPU=compiled_cuda(x.device),
         MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), NO_REARM=bool(_no_rearm),
-        ADD=bool(add), NORM=bool(norm), num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        ADD=bool(add), NORM=bool(norm), num_warps=NUM_WARPS if block_h >= 4096 else 8,   # (4 at 256 wide, 8 ranks: 8 B of stack)
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out if norm else residual
