@@ -276,6 +276,14 @@ def _model_variant(rnd: Round, **attrs) -> None:
     _set_model(rnd, m)
 
 
+def _peer_fused(rnd: Round, **kw) -> None:
+    """rnd's model with the fused all-reduce over a rank-emulation exchange (peer_add_rmsnorm's keywords
+    ``kw``)."""
+    m = rnd.model
+    _model_variant(rnd, _xchg=m.comm.peer_exchange(MAX_DECODE_ROWS, m.cfg.hidden_size, m.device),
+                   peer_options={**m.peer_options, **kw})
+
+
 def _moe_opts(rnd: Round, **kw) -> None:
     """rnd's model with the MoE kernel called with keywords ``kw`` on top of its moe_options."""
     _model_variant(rnd, _moe_options={**rnd.model._moe_options, **kw})
@@ -545,8 +553,10 @@ AB_VARIANTS = {
     # buffer and protocol in full; the peers' buffers static zeros, read but never waited for). Against
     # peer_paths: what the exchange's kernel costs beside the plain add + norm, traffic between GPUs
     # excluded (emulation); against the default, what a real rank's step pays less that traffic
-    "peer_fused": lambda rnd: _model_variant(rnd, _xchg=rnd.model.comm.peer_exchange(
-        MAX_DECODE_ROWS, rnd.model.cfg.hidden_size, rnd.model.device)),
+    "peer_fused": lambda rnd: _peer_fused(rnd),
+    # the same with the exchange's fences at GPU scope / none (peer.FENCE is "sys", the PTX memory model's
+    # scope between GPUs): what the fences cost
+    **{f"peer_fused_fence_{f}": (lambda rnd, f=f: _peer_fused(rnd, fence=f)) for f in ("gpu", "none")},
     # the sampling of a rank-emulated step in one stage: the rank's own top k drawn from directly, no
     # second stage over the (here one rank's) gathered candidates (the emulated step's way before session
     # 48; since, FastModel._sample_fast runs both stages under any TP, as a real rank must)

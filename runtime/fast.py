@@ -270,6 +270,8 @@ class FastModel(Model):
         # The fused all-reduce's exchange (use_peer_exchange; tp.fused_allreduce): None, the all-reduces
         # then go through comm before the norms.
         self._xchg = None
+        # peer_add_rmsnorm's keywords (e.g. fence; benchmarks' variants), in each of its calls
+        self.peer_options: dict = {}
         self._pred_ids: dict[int, torch.Tensor] = {}
         self._side_stream = None
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
@@ -345,7 +347,7 @@ class FastModel(Model):
         the add + norm of an x that comm has all-reduced already."""
         if self._xchg is not None:
             return _peer.peer_add_rmsnorm(x, r, w, self.cfg.rms_norm_eps, self._xchg, out16=out16,
-                                          weight_first=self.norm_weight_first)
+                                          weight_first=self.norm_weight_first, **self.peer_options)
         return self._add_norm(x, r, w, self.cfg.rms_norm_eps, out16=out16)
 
     # ---- caches -------------------------------------------------------------------------------------
@@ -390,7 +392,7 @@ class FastModel(Model):
             e = self.embed_tokens(tokens, reduce=False)
             res = torch.empty_like(e) if x_out is None else x_out
             return _peer.peer_add_rmsnorm(e, res, w, self.cfg.rms_norm_eps, self._xchg, out=out, add=False,
-                                          weight_first=self.norm_weight_first)
+                                          weight_first=self.norm_weight_first, **self.peer_options)
         if self.kernels.norm == "fast" and self.fused_glue and not self._has_peers():
             out = _norm.rmsnorm(self.embed, w, self.cfg.rms_norm_eps, out, x_out=x_out, ids=tokens,
                                 vocab_start=self.shard.vocab_start, vocab_size=self.shard.vocab_size,
@@ -650,7 +652,7 @@ class FastModel(Model):
             if i + 1 < len(layers):
                 h = self._reduce_add_norm(m, r, layers[i + 1].ln1)   # r += moe
             elif fused_ar is not None:   # r += moe, all-reduced in the kernel (no norm: the pass's end)
-                _peer.peer_add_rmsnorm(m, r, None, eps, fused_ar, norm=False)
+                _peer.peer_add_rmsnorm(m, r, None, eps, fused_ar, norm=False, **self.peer_options)
             else:
                 r.add_(m)
         if xpf is not None:   # the side stream joins (a capture must end on one stream)

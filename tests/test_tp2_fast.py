@@ -78,7 +78,11 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, port: int, out_dir: str, spec: dict):
+    import faulthandler
+
     from runtime.fast import FastModel
+
+    faulthandler.enable()   # (a rank that dies in native code says where)
 
     torch.set_num_threads(1)
     nccl = spec["dist"] == "nccl"
@@ -288,6 +292,7 @@ def test_interpreted_fused_allreduce_failure_is_reported(interp):
     guarded_step(rnd, st, 2)
     assert eng.model._xchg.state[0].item() - before == 11
     eng.result(st, [])
-    eng.model._xchg.state[FAILED], eng.model._xchg.state[FAILED_AT] = 2, 8
+    x = eng.model._xchg
+    x.state[x.rows + FAILED], x.state[x.rows + FAILED_AT] = 2, 8
     with pytest.raises(PeerTimeout, match=r"rank\(s\) \[1\] .* point 7"):
         eng.result(st, [])

@@ -8,7 +8,7 @@ and a table of every rank's buffer address (its own included) that its kernels c
 one GPU or over NVLink peer-to-peer (buffers opened through CUDA IPC; never multicast). A device
 int32 ``state`` holds the exchange's sequence number (one per all-reduce point, the same on every
 rank since every rank runs the same points in the same order), an arrival counter, and the failure
-record (bit q of ``state[2]``: a read of rank q's data stayed unready past the bound; ``state[3]``:
+record (bit q of its first word: a read of rank q's data stayed unready past the bound; its second:
 the sequence number of the first such point plus one).
 
 The kernel (``_peer_add_rmsnorm_kernel``, grid (T,), program = one row)
@@ -27,8 +27,8 @@ The kernel (``_peer_add_rmsnorm_kernel``, grid (T,), program = one row)
    and so gets the same bits; the sum is rounded to BF16 (what an all-reduce of BF16 tensors returns).
 4. residual += sum; out = RMSNorm(residual) * weight (and out16), exactly as ``fused_add_rmsnorm``
    does with that sum as its x: the same bits as all-reduce-then-norm with a rank-order FP32 sum.
-5. Re-arms its own slot (n - 1) mod K, every row of it, with NaN; then the last program to arrive
-   advances the sequence number.
+5. Re-arms its own slot (n - 1) mod K, every row of it, with NaN, and advances the sequence number
+   (one counter per row of the exchange, each advanced by exactly one program: no atomics).
 
 Why the re-arm is safe with K >= 3 (K = 4 here): rank r re-arms slot n - 1 in point n's kernel,
 after it has read every peer's data of point n; a peer publishes point n's data only after its
@@ -38,6 +38,12 @@ reaches after reading r's data of point n + 1 >= n + 1, published by r after thi
 order, and a system-scope fence after the re-arm and after each poll: the message-passing pattern
 with the data itself as the flag). K = 2 would let a fast peer read slot n - 1's stale data as
 point n + 1's before r re-arms it (the tests' ``_no_rearm`` control shows what a missing re-arm does).
+
+The fences (``fence``, default "sys"): the data needs none (each element is either NaN or final), the
+re-arm's order against later publications does. A rank's buffer lives in its own GPU's memory and its
+peers read it through that GPU's L2, so kernel boundaries order its stores as its peers see them in
+practice; the PTX memory model asks for system scope between GPUs. "gpu" and "none" are measurement
+options (``bench_step --ab peer_fused_fence_gpu / _none``).
 
 A true NaN in a partial sum would look unpublished: it ends in the failure exit, reported as such.
 """
@@ -50,16 +56,21 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
 
 from ._common import check, compiled_cuda, launch_signature, next_pow2, pdl_supported
-from .norm import NUM_WARPS, load_weight, resolve_weight_first, rms_scale
+from .norm import NUM_WARPS, resolve_weight_first, rms_scale
 
 K_SLOTS = 4          # slots per rank's buffer (>= 3, a power of two: see the module docstring)
 PDL = True
 TIMEOUT_S = 10.0     # the bound on one read of a peer's row (ranks' hosts may launch seconds apart)
 INTERPRET_POLLS = 4  # the bound under the Triton interpreter (programs run one after another there)
-# state's fields (int32)
-SEQ, ARRIVE, FAILED, FAILED_AT = 0, 1, 2, 3
-STATE_LEN = 8
-_SEQ, _ARRIVE, _FAILED, _FAILED_AT = (tl.constexpr(v) for v in (SEQ, ARRIVE, FAILED, FAILED_AT))   # (in kernels)
+# The state (int32): the sequence number once per row of the exchange (state[0:rows]: program p reads
+# its own and advances p, p + T, ...: every counter once per point, with no atomics), then the failure
+# record: state[rows + FAILED], state[rows + FAILED_AT].
+FAILED, FAILED_AT = 0, 1
+_FAILED, _FAILED_AT = tl.constexpr(FAILED), tl.constexpr(FAILED_AT)   # (in kernels)
+# The fences around the exchange (keyword ``fence``): "sys" (fence.acq_rel.sys: the PTX memory model's
+# scope for other GPUs), "gpu" (fence.acq_rel.gpu) or "none". See the module docstring.
+FENCE = "sys"
+_FENCES = {"none": 0, "gpu": 1, "sys": 2}
 
 
 class PeerTimeout(RuntimeError):
@@ -68,19 +79,28 @@ class PeerTimeout(RuntimeError):
 
 
 @triton.jit
-def _fence_sys():
-    """fence.acq_rel.sys: this thread's earlier memory operations are ordered before its later ones
-    for observers anywhere in the system (peer GPUs included)."""
-    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
+def _fence(SCOPE: tl.constexpr):
+    """fence.acq_rel at system scope (2: observers anywhere in the system, peer GPUs included) or GPU
+    scope (1); nothing (0): this thread's earlier memory operations ordered before its later ones."""
+    if SCOPE == 2:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    elif SCOPE == 1:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def _base(PTRS, q):
+    """Rank q's buffer (the buffers are 16-byte aligned allocations: the hint lets the loads be
+    16-byte vectors)."""
+    return tl.multiple_of(tl.load(PTRS + q).to(tl.pointer_type(tl.bfloat16)), 16)
 
 
 @triton.jit
 def _row(PTRS, q, off, offs, ok, x, RANK):
     """Rank q's row at element offset ``off`` of its buffer in FP32 (this rank's own: ``x``)."""
-    # (the buffers are 16-byte aligned allocations: the hint lets the loads be 16-byte vectors)
-    base = tl.multiple_of(tl.load(PTRS + q).to(tl.pointer_type(tl.bfloat16)), 16)
-    v = tl.load(base + off + offs, mask=ok & (q != RANK), other=0.0, volatile=True).to(tl.float32)
+    v = tl.load(_base(PTRS, q) + off + offs, mask=ok & (q != RANK), other=0.0, volatile=True).to(tl.float32)
     return tl.where(q == RANK, x, v)
 
 
@@ -110,20 +130,24 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
                              eps, timeout_ns, H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                              K: tl.constexpr, R: tl.constexpr, HAS16: tl.constexpr, PDL: tl.constexpr,
                              WEIGHT_FIRST: tl.constexpr, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr,
-                             NO_REARM: tl.constexpr, ADD: tl.constexpr = True, NORM: tl.constexpr = True):
+                             NO_REARM: tl.constexpr, ADD: tl.constexpr = True, NORM: tl.constexpr = True,
+                             FENCE: tl.constexpr = 2):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
-    if WEIGHT_FIRST and NORM:   # a weight: no predecessor writes it
-        wt = load_weight(WT, offs, ok)
+    if WEIGHT_FIRST and NORM:   # a weight: no predecessor writes it (held in its dtype across the gather)
+        wt = tl.load(WT + offs, mask=ok, other=0.0)
+    own = _base(PTRS, RANK)     # (the table is written once, at the exchange's construction)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()   # x (the predecessor's output) and the state of the previous point are final
-    seq = tl.load(STATE + _SEQ, volatile=True)
+    seq = tl.load(STATE + row, volatile=True)     # (loaded together with x and the residual)
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    res_ptr = RES + row * stride_r + offs
+    if ADD:
+        res = tl.load(res_ptr, mask=ok, other=0.0)   # (held in its own dtype across the gather)
     slot = seq & (K - 1)
     prev = (seq + K - 1) & (K - 1)
-    own = tl.multiple_of(tl.load(PTRS + RANK).to(tl.pointer_type(tl.bfloat16)), 16)
-    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     tl.store(own + (slot * ROWS + row) * H + offs, x, mask=ok)     # publish
     off = (slot * ROWS + row) * H
     xf = x.to(tl.float32)
@@ -141,11 +165,10 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
             else:
                 late = (polls >= MAX_POLLS).to(tl.int32)
     if ON_GPU:
-        _fence_sys()   # acquire: what peers published before their data is visible from here on
+        _fence(FENCE)   # acquire: what peers published before their data is visible from here on
     xs = acc.to(tl.bfloat16).to(tl.float32)   # the all-reduced x as a BF16 all-reduce returns it
-    res_ptr = RES + row * stride_r + offs
     if ADD:
-        r = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + xs).to(RES.dtype.element_ty)
+        r = (res.to(tl.float32) + xs).to(RES.dtype.element_ty)
     else:   # the residual stream starts here (the embedding): r = the sum
         r = xs.to(RES.dtype.element_ty)
     tl.store(res_ptr, r, mask=ok)
@@ -153,25 +176,24 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
         r = r.to(tl.float32)
         ss = tl.sum(r * r, 0)
         if not WEIGHT_FIRST:
-            wt = load_weight(WT, offs, ok)
-        y = rms_scale(r, ss, wt, H, eps)
+            wt = tl.load(WT + offs, mask=ok, other=0.0)
+        y = rms_scale(r, ss, wt.to(tl.float32), H, eps)
         o = y.to(OUT.dtype.element_ty)
         tl.store(OUT + row * stride_o + offs, o, mask=ok)
         if HAS16:
             tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
     if nan > 0:   # the failure record: which ranks, and the first point (plus one)
-        tl.atomic_or(STATE + _FAILED, _unready(PTRS, off, offs, ok, xf, RANK, R))
-        tl.atomic_cas(STATE + _FAILED_AT, 0, seq + 1)
-    if not NO_REARM:   # every row of the previous point's slot (its pass may have had more rows)
-        arm = tl.full([BLOCK_H], float("nan"), tl.float32).to(tl.bfloat16)
-        for rr in range(row, ROWS, T):
+        tl.atomic_or(STATE + ROWS + _FAILED, _unready(PTRS, off, offs, ok, xf, RANK, R))
+        tl.atomic_cas(STATE + ROWS + _FAILED_AT, 0, seq + 1)
+    # every row of the previous point's slot re-armed (its pass may have had more rows), and every
+    # row's sequence number advanced: this program's rows, row + T, row + 2T, ...
+    arm = tl.full([BLOCK_H], float("nan"), tl.float32).to(tl.bfloat16)
+    for rr in range(row, ROWS, T):
+        if not NO_REARM:
             tl.store(own + (prev * ROWS + rr) * H + offs, arm, mask=ok)
+        tl.store(STATE + rr, seq + 1)
     if ON_GPU:
-        _fence_sys()   # release: the re-arm before anything this rank publishes later
-    ticket = tl.atomic_add(STATE + _ARRIVE, 1, sem="acq_rel")
-    if ticket == T - 1:   # the last program: every program has read seq
-        tl.atomic_xchg(STATE + _ARRIVE, 0)
-        tl.atomic_xchg(STATE + _SEQ, seq + 1)
+        _fence(FENCE)   # release: the re-arm before anything this rank publishes later
 
 
 class PeerExchange:
@@ -196,7 +218,7 @@ class PeerExchange:
         self.timeout_s, self.static_peers, self._keep = float(timeout_s), bool(static_peers), keep
         dev = own.device
         self.ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=dev)
-        self.state = torch.zeros(STATE_LEN, dtype=torch.int32, device=dev)
+        self.state = torch.zeros(self.rows + 8, dtype=torch.int32, device=dev)
         own.fill_(float("nan"))
 
     @staticmethod
@@ -221,7 +243,7 @@ class PeerExchange:
 
     def failure(self) -> str | None:
         """None, or what failed (reads the device state: a host synchronisation)."""
-        failed, at = (int(v) for v in self.state[FAILED:FAILED_AT + 1].tolist())
+        failed, at = (int(v) for v in self.state[self.rows + FAILED:self.rows + FAILED_AT + 1].tolist())
         if not failed:
             return None
         peers = [q for q in range(self.size) if failed >> q & 1]
@@ -243,15 +265,16 @@ class PeerExchange:
 
 
 def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, out16=None, add=True, norm=True,
-                     pdl=None, weight_first=None, max_polls=None, _no_rearm=False):
+                     pdl=None, weight_first=None, fence=None, max_polls=None, _no_rearm=False):
     """residual += all-reduce(x) over the exchange's ranks; out = RMSNorm(residual) * weight (BF16),
     ``out16`` as ``fused_add_rmsnorm``'s. x [T, H] BF16: this rank's partial sum (T <= the
     exchange's rows, H its width). One launch; see the module docstring. ``add=False``: residual =
     all-reduce(x) (not read: a residual stream's start). ``norm=False``: no norm (weight, out and
-    out16 unused; returns residual). ``max_polls``: the
+    out16 unused; returns residual). ``fence``: the fences' scope (default FENCE). ``max_polls``: the
     interpreter's bound (default INTERPRET_POLLS). ``_no_rearm``: the tests' negative control (slots
     never re-armed: a lagging peer's stale row is read as its new one)."""
     check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [T, H] BF16, contiguous rows")
+    check((FENCE if fence is None else fence) in _FENCES, f"fence: one of {sorted(_FENCES)}")
     T, H = x.shape
     check(residual.shape == x.shape and residual.stride(1) == 1, "residual [T, H]")
     if not norm:
@@ -275,7 +298,7 @@ def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, 
         H=H, BLOCK_H=block_h, ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, HAS16=has16, PDL=use_pdl,
         WEIGHT_FIRST=resolve_weight_first(weight_first) and bool(norm), ON_GPU=compiled_cuda(x.device),
         MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), NO_REARM=bool(_no_rearm),
-        ADD=bool(add), NORM=bool(norm), num_warps=NUM_WARPS if block_h >= 4096 else 8,   # (4 at 256 wide, 8 ranks: 8 B of stack)
+        ADD=bool(add), NORM=bool(norm), FENCE=_FENCES[FENCE if fence is None else fence], num_warps=NUM_WARPS if block_h >= 4096 else 8,   # (4 at 256 wide, 8 ranks: 8 B of stack)
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out if norm else residual

@@ -77,7 +77,8 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
 # Keywords that put weight loads before griddepcontrol.wait (and without which no global load precedes
 # it): (kernel -> keyword).
 EARLY_LOADS = {"_router_kernel": "WEIGHTS_FIRST", "_add_rmsnorm_kernel": "WEIGHT_FIRST",
-               "_moe_reduce_kernel": "WEIGHT_FIRST", "_peer_add_rmsnorm_kernel": "WEIGHT_FIRST"}
+               "_moe_reduce_kernel": "WEIGHT_FIRST"}
+# (not _peer_add_rmsnorm_kernel: it always reads its table of buffers, written once, before the wait)
 
 
 # Launches whose weights-as-A products must stay on mma.sync, never wgmma (session 22: a wgmma waited
