@@ -125,7 +125,10 @@ def _unready(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
     return missing
 
 
-@triton.jit(launch_metadata=launch_signature)
+# (T and RANK not specialized: one binary for every rank and row count. A first launch of another
+# specialization would load a module, which waits for the device to idle: behind a spinning kernel
+# of another rank in the same process, a stall until the bound)
+@triton.jit(launch_metadata=launch_signature, do_not_specialize=["T", "RANK"])
 def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, stride_x, stride_r, stride_o, stride_o16,
                              eps, timeout_ns, H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                              K: tl.constexpr, R: tl.constexpr, HAS16: tl.constexpr, PDL: tl.constexpr,
