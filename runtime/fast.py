@@ -386,8 +386,9 @@ class FastModel(Model):
                     x_out: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(embed_tokens(tokens)) * w in BF16; ``x_out``: also the embeddings. One launch
         (``rmsnorm`` gathering the rank's embedding rows) with the fused glue where no peer's rows are
-        needed (one rank, or rank emulation: the all-reduce is then still counted as excluded);
-        otherwise the reference's ``embed_tokens`` and the norm."""
+        needed (one rank, or rank emulation: the all-reduce is then still counted as excluded); with
+        the fused all-reduce, the rank's rows (``embed_tokens(reduce=False)``) all-reduced inside the
+        norm's kernel; otherwise the reference's ``embed_tokens`` and the norm."""
         if self._xchg is not None:   # the rank's rows, all-reduced inside the norm's kernel
             e = self.embed_tokens(tokens, reduce=False)
             res = torch.empty_like(e) if x_out is None else x_out

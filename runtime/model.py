@@ -246,10 +246,10 @@ class Model:
                 lw.dq13 = lw.dq13.reshape(E * I2, H)
                 lw.dq2 = fp8.dequantize(lw.w2, lw.s2, b, dt).permute(0, 2, 1).reshape(-1, H).contiguous()
 
-    # ---- caches -----------------------------------------------------------------------------------
     def check_peers(self) -> None:
         """Raises if a fused collective failed (the fast backend's fused all-reduce); nothing here."""
 
+    # ---- caches -----------------------------------------------------------------------------------
     def new_cache(self, capacity: int, dtype=None) -> ModelCache:
         """Full layers get ``capacity`` slots; sliding layers a ring of window + pad slots."""
         cfg, dt = self.cfg, dtype or self.dtype
