@@ -7,7 +7,7 @@ Every rank owns a buffer of ``K_SLOTS`` slots x ``rows`` x H (BF16), every eleme
 and a table of every rank's buffer address (its own included) that its kernels can load from: on
 one GPU or over NVLink peer-to-peer (buffers opened through CUDA IPC; never multicast). A device
 int32 ``state`` holds the exchange's sequence number (one per all-reduce point, the same on every
-rank since every rank runs the same points in the same order), an arrival counter, and the failure
+rank since every rank runs the same points in the same order; kept once per row), and the failure
 record (bit q of its first word: a read of rank q's data stayed unready past the bound; its second:
 the sequence number of the first such point plus one).
 
@@ -33,8 +33,8 @@ The kernel (``_peer_add_rmsnorm_kernel``, grid (T,), program = one row)
 Why the re-arm is safe with K >= 3 (K = 4 here): rank r re-arms slot n - 1 in point n's kernel,
 after it has read every peer's data of point n; a peer publishes point n's data only after its
 kernel of point n - 1, which read r's data of point n - 1, has finished, so no peer still needs
-slot n - 1's old data. A peer reads that slot again only for point n - 1 + K >= n + 2, which it
-reaches after reading r's data of point n + 1 >= n + 1, published by r after this re-arm (stream
+slot n - 1's old data. A peer reads that slot again only for point n - 1 + K, which it reaches only
+after reading r's data of point n - 2 + K >= n + 1 (K >= 3), published by r after this re-arm (stream
 order, and a system-scope fence after the re-arm and after each poll: the message-passing pattern
 with the data itself as the flag). K = 2 would let a fast peer read slot n - 1's stale data as
 point n + 1's before r re-arms it (the tests' ``_no_rearm`` control shows what a missing re-arm does).
