@@ -151,8 +151,8 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
         res = tl.load(res_ptr, mask=ok, other=0.0)   # (held in its own dtype across the gather)
     slot = seq & (K - 1)
     prev = (seq + K - 1) & (K - 1)
-    tl.store(own + (slot * ROWS + row) * H + offs, x, mask=ok)     # publish
-    off = (slot * ROWS + row) * H
+    off = (slot * ROWS + row) * H     # this row in slot s, in every rank's buffer
+    tl.store(own + off + offs, x, mask=ok)     # publish
     xf = x.to(tl.float32)
     acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
     if nan > 0:   # a peer has not published yet: poll every rank's row again until the bound passes
@@ -301,13 +301,14 @@ def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, 
         H=H, BLOCK_H=block_h, ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, HAS16=has16, PDL=use_pdl,
         WEIGHT_FIRST=resolve_weight_first(weight_first) and bool(norm), ON_GPU=compiled_cuda(x.device),
         MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), NO_REARM=bool(_no_rearm),
-        ADD=bool(add), NORM=bool(norm), FENCE=_FENCES[FENCE if fence is None else fence], num_warps=NUM_WARPS if block_h >= 4096 else 8,   # (4 at 256 wide, 8 ranks: 8 B of stack)
+        ADD=bool(add), NORM=bool(norm), FENCE=_FENCES[FENCE if fence is None else fence],
+        num_warps=NUM_WARPS if block_h >= 4096 else 8,   # (4 at 256 wide, 8 ranks: 8 B of stack)
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out if norm else residual
 
 
-def peer_add_rmsnorm_reference(parts: list[torch.Tensor], residual, weight, eps):
+def peer_add_rmsnorm_reference(parts: list[torch.Tensor], residual):
     """The kernel's contract in torch: (residual_out, the all-reduced BF16 x) of the ranks' partial
     sums ``parts`` (BF16, in rank order) summed in FP32 in that order, then rounded."""
     acc = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)

@@ -37,7 +37,7 @@ def parts_for(R, T, H, seed):
 def expected(Nm, Pm, parts, res, wt):
     """(residual, out, out16) of all-reduce-then-norm on a copy of ``res``."""
     r = res.clone()
-    _, xs = Pm.peer_add_rmsnorm_reference(parts, res, wt, EPS)
+    _, xs = Pm.peer_add_rmsnorm_reference(parts, res)
     out16 = torch.empty(r.shape, dtype=torch.float16, device=DEV)
     out = Nm.fused_add_rmsnorm(xs, r, wt, EPS, out16=out16)
     return r, out, out16
@@ -88,7 +88,7 @@ def run_staged(R, H, rows_seq, seed, exact, **kw):
             Pm.peer_add_rmsnorm(parts[q], res, wt, EPS, ex[q], out=o, out16=o16, add=mode != "start",
                                 norm=mode != "add_only", **kw)
             outs.append((res, o, o16))
-            if not close(res, r_exp, exact, Pm.peer_add_rmsnorm_reference(parts, base, wt, EPS)[1]):
+            if not close(res, r_exp, exact, Pm.peer_add_rmsnorm_reference(parts, base)[1]):
                 problems.append(f"point {n} rank {q}: residual")
             if mode == "add_only" and not (o.isnan().all() and o16.isnan().all()):
                 problems.append(f"point {n} rank {q}: add alone wrote an output")
@@ -133,7 +133,7 @@ def lagging_peer(R, H, timeout_s, **kw):
     res = torch.zeros(4, H, dtype=torch.bfloat16, device=DEV)
     Pm.peer_add_rmsnorm(new[0], res, wt, EPS, ex[0], max_polls=2, **kw)     # rank R - 1 lags: never publishes
     stale = [new[q] for q in range(R - 1)] + [history[0][R - 1]]          # its slot's old data, K points back
-    r_stale, xs = Pm.peer_add_rmsnorm_reference(stale, torch.zeros_like(res), wt, EPS)
+    r_stale, xs = Pm.peer_add_rmsnorm_reference(stale, torch.zeros_like(res))
     return ex[0].failure(), close(res, r_stale, HAS_CUDA, xs), ex[0]
 
 
