@@ -556,7 +556,14 @@ AB_VARIANTS = {
     "peer_fused": lambda rnd: _peer_fused(rnd),
     # the same with the exchange's fences at GPU scope / none (peer.FENCE is "sys", the PTX memory model's
     # scope between GPUs): what the fences cost
-    **{f"peer_fused_fence_{f}": (lambda rnd, f=f: _peer_fused(rnd, fence=f)) for f in ("gpu", "none")},
+    **{f"peer_fused_fence_{f}": (lambda rnd, f=f: _peer_fused(rnd, fence=f))
+       for f in ("gpu", "none", "sys_acq", "sys_rel", "sys_one", "gpu_one")},
+    # the exchange's fast path with one reduction / two (peer.ONE_REDUCE), and the sequence number read
+    # before the wait (measurement only: see peer_add_rmsnorm's _seq_first)
+    "peer_fused_one_reduce": lambda rnd: _peer_fused(rnd, one_reduce=True),
+    "peer_fused_two_reduce": lambda rnd: _peer_fused(rnd, one_reduce=False),
+    "peer_fused_seq_first": lambda rnd: _peer_fused(rnd, _seq_first=True),
+    "peer_fused_floor": lambda rnd: _peer_fused(rnd, one_reduce=True, fence="none", _seq_first=True),
     # the sampling of a rank-emulated step in one stage: the rank's own top k drawn from directly, no
     # second stage over the (here one rank's) gathered candidates (the emulated step's way before session
     # 48; since, FastModel._sample_fast runs both stages under any TP, as a real rank must)

@@ -70,7 +70,12 @@ _FAILED, _FAILED_AT = tl.constexpr(FAILED), tl.constexpr(FAILED_AT)   # (in kern
 # The fences around the exchange (keyword ``fence``): "sys" (fence.acq_rel.sys: the PTX memory model's
 # scope for other GPUs), "gpu" (fence.acq_rel.gpu) or "none". See the module docstring.
 FENCE = "sys"
-_FENCES = {"none": 0, "gpu": 1, "sys": 2}
+# name -> (the acquire fence's scope, the release fence's, one thread per program between barriers)
+_FENCES = {"none": (0, 0, False), "gpu": (1, 1, False), "sys": (2, 2, False), "sys_acq": (2, 0, False),
+           "sys_rel": (0, 2, False), "sys_one": (2, 2, True), "gpu_one": (1, 1, True)}
+# The fast path's one reduction (keyword one_reduce): with every row ready, the sum of squares is the
+# only reduction (an unready element makes it NaN; then the count of NaNs decides, as without it)
+ONE_REDUCE = False
 
 
 class PeerTimeout(RuntimeError):
@@ -79,15 +84,29 @@ class PeerTimeout(RuntimeError):
 
 
 @triton.jit
-def _fence(SCOPE: tl.constexpr):
+def _fence(SCOPE: tl.constexpr, ONE: tl.constexpr = False):
     """fence.acq_rel at system scope (2: observers anywhere in the system, peer GPUs included) or GPU
-    scope (1); nothing (0): this thread's earlier memory operations ordered before its later ones."""
-    if SCOPE == 2:
-        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-    elif SCOPE == 1:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+    scope (1); nothing (0): this thread's earlier memory operations ordered before its later ones.
+    ``ONE``: the program's threads meet at a barrier, one thread fences, and they meet again (the
+    barrier orders every thread's accesses around the one fence: it is cumulative)."""
+    if SCOPE > 0:
+        if ONE:
+            tl.debug_barrier()
+            if SCOPE == 2:
+                tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                                          "@p fence.acq_rel.sys; } mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                                          "@p fence.acq_rel.gpu; } mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            tl.debug_barrier()
+        elif SCOPE == 2:
+            tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
 
 
 @triton.jit
@@ -105,14 +124,53 @@ def _row(PTRS, q, off, offs, ok, x, RANK):
 
 
 @triton.jit
-def _gather(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
-    """(sum over ranks in rank order in FP32, its NaN elements) of every rank's row. No branch
-    between the peers' loads, so they are all in flight together; a NaN anywhere (an unpublished
-    element) makes its column's sum NaN, so one count covers every rank."""
+def _sum_rows(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
+    """The sum over ranks in rank order in FP32 of every rank's row. No branch between the peers'
+    loads, so they are all in flight together."""
     acc = tl.zeros(offs.shape, dtype=tl.float32)
     for q in tl.static_range(R):
         acc += _row(PTRS, q, off, offs, ok, x, RANK)
+    return acc
+
+
+@triton.jit
+def _gather(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
+    """(``_sum_rows``, its NaN elements): a NaN anywhere (an unpublished element) makes its column's
+    sum NaN, so one count covers every rank."""
+    acc = _sum_rows(PTRS, off, offs, ok, x, RANK, R)
     return acc, tl.sum((acc != acc).to(tl.int32), 0)
+
+
+@triton.jit
+def _poll(PTRS, off, offs, ok, x, RANK, R: tl.constexpr, acc, nan, timeout_ns, ON_GPU: tl.constexpr,
+          MAX_POLLS: tl.constexpr):
+    """(acc, nan) of ``_gather`` once no element is NaN, or once the bound has passed (nan > 0 then)."""
+    if nan > 0:   # a peer has not published yet: poll every rank's row again until the bound passes
+        if ON_GPU:
+            t0 = globaltimer()
+        polls = 0
+        late = 0
+        while (nan > 0) & (late == 0):
+            acc, nan = _gather(PTRS, off, offs, ok, x, RANK, R)
+            polls += 1
+            if ON_GPU:
+                late = (globaltimer() - t0 > timeout_ns).to(tl.int32)
+            else:
+                late = (polls >= MAX_POLLS).to(tl.int32)
+    return acc, nan
+
+
+@triton.jit
+def _residual(acc, res, ADD: tl.constexpr, dtype: tl.constexpr):
+    """(the residual as stored: res + the all-reduced x, or that x alone without ADD; its sum of
+    squares in FP32). The sum is rounded to BF16 first, as a BF16 all-reduce returns it."""
+    xs = acc.to(tl.bfloat16).to(tl.float32)
+    if ADD:
+        r = (res.to(tl.float32) + xs).to(dtype)
+    else:   # the residual stream starts here (the embedding): r = the sum
+        r = xs.to(dtype)
+    rf = r.to(tl.float32)
+    return r, tl.sum(rf * rf, 0)
 
 
 @triton.jit
@@ -134,19 +192,24 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
                              K: tl.constexpr, R: tl.constexpr, HAS16: tl.constexpr, PDL: tl.constexpr,
                              WEIGHT_FIRST: tl.constexpr, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr,
                              NO_REARM: tl.constexpr, ADD: tl.constexpr = True, NORM: tl.constexpr = True,
-                             FENCE: tl.constexpr = 2):
+                             ACQ: tl.constexpr = 2, REL: tl.constexpr = 2, FENCE_ONE: tl.constexpr = False,
+                             ONE_REDUCE: tl.constexpr = False, SEQ_FIRST: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
     if WEIGHT_FIRST and NORM:   # a weight: no predecessor writes it (held in its dtype across the gather)
         wt = tl.load(WT + offs, mask=ok, other=0.0)
     own = _base(PTRS, RANK)     # (the table is written once, at the exchange's construction)
+    if SEQ_FIRST:   # measurement only: safe only while the previous point's kernel is sure to be complete
+        seq = tl.load(STATE + row, volatile=True)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()   # x (the predecessor's output) and the state of the previous point are final
-    seq = tl.load(STATE + row, volatile=True)     # (loaded together with x and the residual)
+    if not SEQ_FIRST:
+        seq = tl.load(STATE + row, volatile=True)     # (loaded together with x and the residual)
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     res_ptr = RES + row * stride_r + offs
+    res = x
     if ADD:
         res = tl.load(res_ptr, mask=ok, other=0.0)   # (held in its own dtype across the gather)
     slot = seq & (K - 1)
@@ -154,33 +217,25 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
     off = (slot * ROWS + row) * H     # this row in slot s, in every rank's buffer
     tl.store(own + off + offs, x, mask=ok)     # publish
     xf = x.to(tl.float32)
-    acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
-    if nan > 0:   # a peer has not published yet: poll every rank's row again until the bound passes
-        if ON_GPU:
-            t0 = globaltimer()
-        polls = 0
-        late = 0
-        while (nan > 0) & (late == 0):
+    if ONE_REDUCE and NORM:   # an unready element makes the sum of squares NaN: one reduction when all are ready
+        nan = RANK * 0
+        acc = _sum_rows(PTRS, off, offs, ok, xf, RANK, R)
+        r, ss = _residual(acc, res, ADD, RES.dtype.element_ty)
+        if ss != ss:   # a NaN: a peer's row not yet published (or a NaN in the data; the count tells)
             acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
-            polls += 1
-            if ON_GPU:
-                late = (globaltimer() - t0 > timeout_ns).to(tl.int32)
-            else:
-                late = (polls >= MAX_POLLS).to(tl.int32)
+            acc, nan = _poll(PTRS, off, offs, ok, xf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS)
+            r, ss = _residual(acc, res, ADD, RES.dtype.element_ty)
+    else:
+        acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
+        acc, nan = _poll(PTRS, off, offs, ok, xf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS)
+        r, ss = _residual(acc, res, ADD, RES.dtype.element_ty)
     if ON_GPU:
-        _fence(FENCE)   # acquire: what peers published before their data is visible from here on
-    xs = acc.to(tl.bfloat16).to(tl.float32)   # the all-reduced x as a BF16 all-reduce returns it
-    if ADD:
-        r = (res.to(tl.float32) + xs).to(RES.dtype.element_ty)
-    else:   # the residual stream starts here (the embedding): r = the sum
-        r = xs.to(RES.dtype.element_ty)
+        _fence(ACQ, FENCE_ONE)   # acquire: what peers published before their data is visible from here on
     tl.store(res_ptr, r, mask=ok)
     if NORM:
-        r = r.to(tl.float32)
-        ss = tl.sum(r * r, 0)
         if not WEIGHT_FIRST:
             wt = tl.load(WT + offs, mask=ok, other=0.0)
-        y = rms_scale(r, ss, wt.to(tl.float32), H, eps)
+        y = rms_scale(r.to(tl.float32), ss, wt.to(tl.float32), H, eps)
         o = y.to(OUT.dtype.element_ty)
         tl.store(OUT + row * stride_o + offs, o, mask=ok)
         if HAS16:
@@ -196,8 +251,7 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
             tl.store(own + (prev * ROWS + rr) * H + offs, arm, mask=ok)
         tl.store(STATE + rr, seq + 1)
     if ON_GPU:
-        _fence(FENCE)   # release: the re-arm before anything this rank publishes later
-
+        _fence(REL, FENCE_ONE)   # release: the re-arm before anything this rank publishes later
 
 class PeerExchange:
     """One rank's side of the exchange: its NaN-armed buffer ``own`` [K_SLOTS, rows, width] BF16,
@@ -268,12 +322,15 @@ class PeerExchange:
 
 
 def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, out16=None, add=True, norm=True,
-                     pdl=None, weight_first=None, fence=None, max_polls=None, _no_rearm=False):
+                     pdl=None, weight_first=None, fence=None, one_reduce=None, max_polls=None, _no_rearm=False,
+                     _seq_first=False):
     """residual += all-reduce(x) over the exchange's ranks; out = RMSNorm(residual) * weight (BF16),
     ``out16`` as ``fused_add_rmsnorm``'s. x [T, H] BF16: this rank's partial sum (T <= the
     exchange's rows, H its width). One launch; see the module docstring. ``add=False``: residual =
     all-reduce(x) (not read: a residual stream's start). ``norm=False``: no norm (weight, out and
-    out16 unused; returns residual). ``fence``: the fences' scope (default FENCE). ``max_polls``: the
+    out16 unused; returns residual). ``fence``: the fences' scope (default FENCE; see _FENCES).
+    ``one_reduce``: default ONE_REDUCE. ``_seq_first``: the sequence number read before the wait
+    (measurement only: correct only while the previous point's kernel is sure to be complete). ``max_polls``: the
     interpreter's bound (default INTERPRET_POLLS). ``_no_rearm``: the tests' negative control (slots
     never re-armed: a lagging peer's stale row is read as its new one)."""
     check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [T, H] BF16, contiguous rows")
@@ -301,7 +358,9 @@ def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, 
         H=H, BLOCK_H=block_h, ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, HAS16=has16, PDL=use_pdl,
         WEIGHT_FIRST=resolve_weight_first(weight_first) and bool(norm), ON_GPU=compiled_cuda(x.device),
         MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), NO_REARM=bool(_no_rearm),
-        ADD=bool(add), NORM=bool(norm), FENCE=_FENCES[FENCE if fence is None else fence],
+        ADD=bool(add), NORM=bool(norm),
+        **dict(zip(("ACQ", "REL", "FENCE_ONE"), _FENCES[FENCE if fence is None else fence])),
+        ONE_REDUCE=ONE_REDUCE if one_reduce is None else bool(one_reduce), SEQ_FIRST=bool(_seq_first),
         num_warps=NUM_WARPS if block_h >= 4096 else 8,   # (4 at 256 wide, 8 ranks: 8 B of stack)
         **({"launch_pdl": True} if use_pdl else {}),
     )

@@ -69,9 +69,16 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              # the reference's RoPE rounds each product: no contraction into FMA
              ("_rope_kv_kernel", "enable_fp_fusion", "fma.rn.f32"),
              # the fused all-reduce: system-scope fences and volatile polls of the peers' rows on the GPU
-             ("_peer_add_rmsnorm_kernel", "ON_GPU", "fence.acq_rel.sys"),
+             # (SYS_FENCE / GPU_FENCE: derived keys, see DERIVED)
+             ("_peer_add_rmsnorm_kernel", "SYS_FENCE", "fence.acq_rel.sys"),
+             ("_peer_add_rmsnorm_kernel", "GPU_FENCE", "fence.acq_rel.gpu"),
              ("_peer_add_rmsnorm_kernel", "ON_GPU", "ld.volatile.global"),
              ("_peer_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait")]
+
+
+# Keys of PTX_MARKS computed from a launch's constexprs: (kernel, key) -> function of them
+DERIVED = {("_peer_add_rmsnorm_kernel", "SYS_FENCE"): lambda kw: bool(kw["ON_GPU"]) and 2 in (kw["ACQ"], kw["REL"]),
+           ("_peer_add_rmsnorm_kernel", "GPU_FENCE"): lambda kw: bool(kw["ON_GPU"]) and 1 in (kw["ACQ"], kw["REL"])}
 
 
 # Keywords that put weight loads before griddepcontrol.wait (and without which no global load precedes
@@ -93,6 +100,7 @@ def ptx_problems(sink) -> list[str]:
     out = []
     for name, grid, kernel, kwargs in sink:
         ptx = kernel.asm["ptx"]
+        kwargs = {**kwargs, **{key: f(kwargs) for (kname, key), f in DERIVED.items() if kname == name}}
         if kwargs.get(MMA_SYNC.get(name, "")) and ("wgmma" in ptx or "mma.sync" not in ptx):
             out.append(f"{name} {grid}: {MMA_SYNC[name]}=True but its products are not (only) mma.sync")
         for kname, key, mark in PTX_MARKS:
@@ -295,6 +303,12 @@ def _launch_peer(PE):
         PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, _no_rearm=True)
         PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, add=False)   # a residual's start
         PE.peer_add_rmsnorm(x, x.clone(), None, 1e-6, xchg, norm=False)                 # a pass's last add
+        for one in (True, False):    # the fast path's one reduction, or two
+            PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, one_reduce=one)
+        if H == 6144:    # the fences' forms and the measurement-only early sequence number
+            for f in sorted(PE._FENCES):
+                PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, fence=f)
+            PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, _seq_first=True)
 
 
 def main():

@@ -137,16 +137,23 @@ def lagging_peer(R, H, timeout_s, **kw):
     return ex[0].failure(), close(res, r_stale, HAS_CUDA, xs), ex[0]
 
 
+# the kernel's forms that change what it computes or when it polls (the fence forms order the same
+# accesses: one GPU cannot tell them apart, but the concurrent ranks run them)
+FORMS = {"default": {}, "one_reduce": {"one_reduce": True}, "two_reduce": {"one_reduce": False}}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("R,H", [(2, 6144), (4, 6144), (8, 6144), (3, 256)])
-def test_gpu_staged_matches_all_reduce_then_norm(R, H):
-    assert run_staged(R, H, [8, 1, 6, 8, 4, 8, 5], seed=R * H, exact=True) == []
+def test_gpu_staged_matches_all_reduce_then_norm(R, H, form):
+    assert run_staged(R, H, [8, 1, 6, 8, 4, 8, 5], seed=R * H, exact=True, **FORMS[form]) == []
 
 
 @cpu_only
+@pytest.mark.parametrize("form", ["one_reduce", "two_reduce"])
 @pytest.mark.parametrize("R", [2, 3])
-def test_interp_staged_matches_all_reduce_then_norm(R):
-    assert run_staged(R, 256, [4, 1, 3, 4, 2, 4], seed=R, exact=False) == []
+def test_interp_staged_matches_all_reduce_then_norm(R, form):
+    assert run_staged(R, 256, [4, 1, 3, 4, 2, 4], seed=R, exact=False, **FORMS[form]) == []
 
 
 def _no_rearm_caught(H, exact):
@@ -164,26 +171,28 @@ def test_interp_no_rearm_control_fails_the_check():
     assert _no_rearm_caught(256, exact=False)
 
 
-def _lagging_checks(H, timeout_s):
+def _lagging_checks(H, timeout_s, **kw):
     Pm = load_kernels("peer")
-    why, stale, xchg = lagging_peer(3, H, timeout_s)
+    why, stale, xchg = lagging_peer(3, H, timeout_s, **kw)
     assert why is not None and "rank(s) [2]" in why and "point 4" in why, why
     with pytest.raises(Pm.PeerTimeout):
         xchg.check()
     assert not stale
     # negative control: without the re-arm the lagging rank's row from K points back is read as new
-    why, stale, _ = lagging_peer(3, H, timeout_s, _no_rearm=True)
+    why, stale, _ = lagging_peer(3, H, timeout_s, _no_rearm=True, **kw)
     assert why is None and stale
 
 
 @pytest.mark.gpu
-def test_gpu_lagging_peer_is_reported_not_read_stale():
-    _lagging_checks(6144, timeout_s=0.02)
+@pytest.mark.parametrize("form", ["one_reduce", "two_reduce"])
+def test_gpu_lagging_peer_is_reported_not_read_stale(form):
+    _lagging_checks(6144, timeout_s=0.02, **FORMS[form])
 
 
 @cpu_only
-def test_interp_lagging_peer_is_reported_not_read_stale():
-    _lagging_checks(256, timeout_s=1.0)
+@pytest.mark.parametrize("form", ["one_reduce", "two_reduce"])
+def test_interp_lagging_peer_is_reported_not_read_stale(form):
+    _lagging_checks(256, timeout_s=1.0, **FORMS[form])
 
 
 def run_concurrent(R, H, points, sleep_cycles, **kw):
@@ -231,13 +240,18 @@ def run_concurrent(R, H, points, sleep_cycles, **kw):
     return bad, [x.failure() for x in ex if x.failure()]
 
 
+CONCURRENT_FORMS = {**FORMS, "fence_sys_one": {"fence": "sys_one"}, "fence_gpu": {"fence": "gpu"}}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", CONCURRENT_FORMS)
 @pytest.mark.parametrize("R", [2, 4])
-def test_gpu_concurrent_ranks_match(R):
-    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000)
+def test_gpu_concurrent_ranks_match(R, form):
+    kw = CONCURRENT_FORMS[form]
+    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000, **kw)
     assert failed == [] and bad == 0, (bad, failed)
     # negative control: without the re-arm, the ranks that run ahead read the sleeper's stale rows
-    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000, _no_rearm=True)
+    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000, _no_rearm=True, **kw)
     assert bad > 0 and failed == [], (bad, failed)
 
 

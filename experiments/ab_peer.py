@@ -1,0 +1,115 @@
+"""Paired A/B of the fused all-reduce's kernel (runtime/kernels/peer.py) alone, on the GPU.
+
+    OUT=... python3 experiments/ab_peer.py [--configs peer,norm,...] [--rows 6] [--ranks 8]
+                                           [--chain 64] [--rounds 40] [--dry-run]
+
+Each config gets one CUDA graph holding a chain of ``--chain`` launches at q1's width (H = 6,144),
+every launch adding into one residual, so each waits for the one before (programmatic dependents, as
+in the step); even launches also write the FP16 copy (the post-attention norm's form in the step).
+The exchange is rank emulation's (``PeerExchange.emulated``: the peers' buffers static zeros, so
+every launch does a real rank's loads without waiting), exactly what ``bench_step --ab peer_fused``
+runs. Every round replays every config's graph once in a fresh order (``_bench.paired_rounds``).
+
+Per config: the median time per launch and, against the first config, the median per-round ratio
+with its 10-90 % range. ``norm`` is ``fused_add_rmsnorm`` (what a rank runs where NCCL has already
+all-reduced): the difference to it is what the exchange costs a point under emulation.
+``--list`` prints the configs. $OUT/ab_peer.json/.csv hold every round's times.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import DEV, DRY_RUN, paired_stats, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
+
+import torch  # noqa: E402
+
+from runtime.kernels import norm as N  # noqa: E402
+from runtime.kernels import peer as P  # noqa: E402
+
+# name -> (ranks or None for the --ranks value, peer_add_rmsnorm keywords); "norm": fused_add_rmsnorm
+CONFIGS = {
+    "peer": (None, {}),
+    "peer_again": (None, {}),          # A/A
+    "norm": (None, None),
+    "ranks1": (1, {}),                 # no peer loads: the publication, the state, the re-arm, the fences
+    "ranks2": (2, {}),
+    "fence_none": (None, dict(fence="none")),
+    "fence_gpu": (None, dict(fence="gpu")),
+    "fence_sys_acq": (None, dict(fence="sys_acq")),
+    "fence_sys_rel": (None, dict(fence="sys_rel")),
+    "fence_sys_one": (None, dict(fence="sys_one")),
+    "fence_gpu_one": (None, dict(fence="gpu_one")),
+    "one_reduce": (None, dict(one_reduce=True)),
+    "two_reduce": (None, dict(one_reduce=False)),
+    "no_rearm": (None, dict(_no_rearm=True)),
+    "seq_first": (None, dict(_seq_first=True)),
+    "one_reduce_fence_none": (None, dict(one_reduce=True, fence="none")),
+    "floor": (None, dict(one_reduce=True, fence="none", _seq_first=True, _no_rearm=True)),
+}
+DEFAULT = ("peer,norm,peer_again,ranks1,ranks2,fence_none,fence_gpu,fence_sys_acq,fence_sys_rel,fence_sys_one,"
+           "one_reduce,two_reduce,no_rearm,seq_first,one_reduce_fence_none,floor")
+
+
+def chain(config: str, rows: int, ranks: int, n: int, H: int, seed: int) -> list:
+    """The config's ``n`` launches (closures) on its own residual and exchange."""
+    R, kw = CONFIGS[config]
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(rows, H, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4)]
+    res = torch.randn(rows, H, generator=g).to(torch.bfloat16).to(DEV)
+    wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEV)
+    out = torch.empty(rows, H, dtype=torch.bfloat16, device=DEV)
+    out16 = torch.empty(rows, H, dtype=torch.float16, device=DEV)
+    eps = 1e-6
+    if kw is None:
+        return [(lambda i=i: N.fused_add_rmsnorm(xs[i % 4], res, wt, eps, out=out, out16=out16 if i % 2 == 0 else None))
+                for i in range(n)]
+    xchg = P.PeerExchange.emulated(R or ranks, 0, 8, H, DEV)
+    return [(lambda i=i: P.peer_add_rmsnorm(xs[i % 4], res, wt, eps, xchg, out=out,
+                                            out16=out16 if i % 2 == 0 else None, **kw))
+            for i in range(n)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=DEFAULT, help="comma-separated, the first is the baseline (--list)")
+    ap.add_argument("--rows", default="6", help="rows per launch (comma-separated: one table each)")
+    ap.add_argument("--ranks", type=int, default=8, help="the emulated ranks (q1's TP = 8)")
+    ap.add_argument("--chain", type=int, default=64, help="launches per graph")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--list", action="store_true", help="print the configs and exit")
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter at a toy width, one launch, no timing")
+    args = ap.parse_args()
+    if args.list:
+        for k, (R, kw) in CONFIGS.items():
+            print(f"{k:>24}  ranks {R or args.ranks}  {'fused_add_rmsnorm' if kw is None else kw}")
+        return
+    names = args.configs.split(",")
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configs {unknown} (--list)")
+    H = 256 if DRY_RUN else 6144
+    rows_out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        shape = f"w{rows}_R{args.ranks}"
+        calls = {c: chain(c, rows, args.ranks, 1 if DRY_RUN else args.chain, H, seed=rows) for c in names}
+        times = replay_paired(calls, args.rounds, shape)
+        if times is None:
+            continue
+        base, norm = times[names[0]], times.get("norm")
+        for c in names:
+            st = paired_stats(times[c], base)
+            over = "" if norm is None else f"  over norm {st['us'] - paired_stats(norm, base)['us']:+6.2f} us"
+            print(f"{shape:>8} {c:>22} {st['us']:7.2f} us  ratio {st['ratio']:.4f} [{st['ratio_p10']:.4f}, "
+                  f"{st['ratio_p90']:.4f}]{over}", flush=True)
+            rows_out.append(dict(shape=shape, config=c, **st, rounds=times[c]))
+    out = write_results("ab_peer", dict(args=vars(args)), rows_out)
+    if out:
+        print(f"results: {out}/ab_peer.json")
+
+
+if __name__ == "__main__":
+    main()
