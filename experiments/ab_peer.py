@@ -22,21 +22,25 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DEV, DRY_RUN, paired_stats, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import CUDA, DEV, DRY_RUN, paired_stats, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 
+from runtime.kernels import moe as M  # noqa: E402
 from runtime.kernels import norm as N  # noqa: E402
 from runtime.kernels import peer as P  # noqa: E402
 
-# name -> (ranks or None for the --ranks value, peer_add_rmsnorm keywords); "norm": fused_add_rmsnorm
+# name -> (ranks or None for the --ranks value, peer_add_rmsnorm keywords); "norm": fused_add_rmsnorm;
+# names starting "reduce": the MoE reduce's launches (below)
 CONFIGS = {
     "peer": (None, {}),
     "peer_again": (None, {}),          # A/A
     "norm": (None, None),
-    "ranks1": (1, {}),                 # no peer loads: the publication, the state, the re-arm, the fences
+    "s49": (None, dict(fence="sys", rearm_lag=1, one_reduce=False)),   # the kernel as session 49 left it
+    "lag1": (None, dict(fence="sys_acq", rearm_lag=1)),   # the re-arm one point back with the fence it needs
+    "ranks1": (1, {}),                 # no peer loads: the publication, the state, the re-arm
     "ranks2": (2, {}),
-    "fence_none": (None, dict(fence="none")),
+    "fence_sys": (None, dict(fence="sys")),
     "fence_gpu": (None, dict(fence="gpu")),
     "fence_sys_acq": (None, dict(fence="sys_acq")),
     "fence_sys_rel": (None, dict(fence="sys_rel")),
@@ -46,11 +50,16 @@ CONFIGS = {
     "two_reduce": (None, dict(one_reduce=False)),
     "no_rearm": (None, dict(_no_rearm=True)),
     "seq_first": (None, dict(_seq_first=True)),
-    "one_reduce_fence_none": (None, dict(one_reduce=True, fence="none")),
-    "floor": (None, dict(one_reduce=True, fence="none", _seq_first=True, _no_rearm=True)),
+    "floor": (None, dict(_seq_first=True, _no_rearm=True)),
+    # the MoE reduce (8 experts a row): with the next add + norm (what a single rank runs), with the
+    # all-reduce over the exchange inside it too (the fused all-reduce's default), and writing the rank's
+    # partial sum for the exchange's own kernel after it (peer_moe_reduce=False): two launches a point
+    "reduce_norm": (None, "norm"),
+    "reduce_peer": (None, "peer"),
+    "reduce_then_peer": (None, "apart"),
 }
-DEFAULT = ("peer,norm,peer_again,ranks1,ranks2,fence_none,fence_gpu,fence_sys_acq,fence_sys_rel,fence_sys_one,"
-           "one_reduce,two_reduce,no_rearm,seq_first,one_reduce_fence_none,floor")
+DEFAULT = ("peer,norm,peer_again,s49,lag1,ranks1,ranks2,fence_sys,fence_gpu,fence_sys_acq,fence_sys_one,two_reduce,"
+           "no_rearm,seq_first,floor,reduce_norm,reduce_peer,reduce_then_peer")
 
 
 def chain(config: str, rows: int, ranks: int, n: int, H: int, seed: int) -> list:
@@ -67,6 +76,18 @@ def chain(config: str, rows: int, ranks: int, n: int, H: int, seed: int) -> list
         return [(lambda i=i: N.fused_add_rmsnorm(xs[i % 4], res, wt, eps, out=out, out16=out16 if i % 2 == 0 else None))
                 for i in range(n)]
     xchg = P.PeerExchange.emulated(R or ranks, 0, 8, H, DEV)
+    if config.startswith("reduce"):
+        ys = [torch.randn(rows * 8, H, generator=g).to(DEV) for _ in range(4)]
+        tw = torch.rand(rows, 8, generator=g).to(DEV)
+        cnt = torch.zeros(8, dtype=torch.int32, device=DEV)
+        pdl = CUDA
+        if kw == "apart":
+            return [(lambda i=i: (M._launch_reduce(ys[i % 4], tw, out, pdl=pdl),
+                                  P.peer_add_rmsnorm(out, res, wt, eps, xchg, out=out16.view(torch.bfloat16))))
+                    for i in range(n)]
+        peer = (xchg, {}) if kw == "peer" else None
+        return [(lambda i=i: M._launch_reduce(ys[i % 4], tw, out, pdl=pdl, norm=(res, wt, eps, cnt), peer=peer))
+                for i in range(n)]
     return [(lambda i=i: P.peer_add_rmsnorm(xs[i % 4], res, wt, eps, xchg, out=out,
                                             out16=out16 if i % 2 == 0 else None, **kw))
             for i in range(n)]

@@ -103,6 +103,8 @@ from .speculative import (LOG_ACCEPTED, LOG_CACHE_LEN, LOG_DONE, LOG_DRAFTS, LOG
 from .sampling import draw, filter_dist
 
 MAX_DECODE_ROWS = 8
+# peer_add_rmsnorm's keywords that belong to the exchange (also the MoE reduce's: peer.exchange_launch)
+_PEER_EXCHANGE_KEYS = ("fence", "rearm_lag", "max_polls", "_no_rearm")
 _BF16 = torch.bfloat16
 # Negative controls for the tests: a FastModel with one deliberately broken kernel argument.
 BROKEN = ("drop_sinks", "moe_scale_bug", "draft_logp_bug", "settle_stop_bug", "moe_norm_bug")
@@ -270,8 +272,13 @@ class FastModel(Model):
         # The fused all-reduce's exchange (use_peer_exchange; tp.fused_allreduce): None, the all-reduces
         # then go through comm before the norms.
         self._xchg = None
-        # peer_add_rmsnorm's keywords (e.g. fence; benchmarks' variants), in each of its calls
+        # peer_add_rmsnorm's keywords (e.g. fence; benchmarks' variants), in each of its calls (those of
+        # the exchange itself, _PEER_EXCHANGE_KEYS, also in the MoE reduce's)
         self.peer_options: dict = {}
+        # With the fused all-reduce: the all-reduce after the MoE inside the MoE reduce, with the next
+        # add + RMSNorm (one launch fewer per layer, the same bits). False: the reduce writes the
+        # rank's partial sum and peer_add_rmsnorm all-reduces it (bench_step.py --ab peer_fused_reduce_apart)
+        self.peer_moe_reduce = True
         self._pred_ids: dict[int, torch.Tensor] = {}
         self._side_stream = None
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
@@ -521,9 +528,10 @@ class FastModel(Model):
 
     def _moe_norm_fusable(self) -> bool:
         """Whether the MoE's reduce may also do the next residual add + RMSNorm (``fuse_moe_norm``):
-        fast MoE (v1) and norm kernels, and no peer whose partial sums the add must wait for."""
+        fast MoE (v1) and norm kernels, and no peer whose partial sums the add must wait for, or the
+        fused all-reduce with ``peer_moe_reduce`` (the reduce all-reduces over the exchange itself)."""
         return (self.fuse_moe_norm and self.kernels.moe == "fast" and self.kernels.norm == "fast"
-                and not self._has_peers()
+                and (not self._has_peers() or (self._xchg is not None and self.peer_moe_reduce))
                 and self._moe_options.get("variant", _moe.MOE_VARIANT) == "v1")
 
     def _moe_fast(self, lw: LayerWeights, h: torch.Tensor, h16: torch.Tensor | None = None,
@@ -537,10 +545,14 @@ class FastModel(Model):
             return Model.moe(self, lw, h)           # routes, and all-reduces under TP, itself
         ids, weights = self.route(lw, h) if routed is None else routed
         fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
+        peer = None
+        if norm is not None and self._xchg is not None:   # the fused all-reduce inside the reduce
+            peer = (self._xchg, {k: v for k, v in self.peer_options.items() if k in _PEER_EXCHANGE_KEYS})
+            reduce = False
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,
                                _norm_bug=self.broken == "moe_norm_bug", norm_weight_first=self.norm_weight_first,
-                               **self._moe_options)
+                               peer=peer, **self._moe_options)
         # (with norm, y is the next layer's normalised input; under rank emulation the all-reduce of
         # the MoE output it stands in for is counted on a tensor of the same shape and dtype)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 and reduce else y

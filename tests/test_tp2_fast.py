@@ -191,8 +191,9 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     sampling: the rank's candidates, then the draw over every rank's); ``sampler_one_stage`` in one, to
     the same state. The default is the negative control. ``peer_fused`` (the fused all-reduce over a
     rank-emulation exchange, its peers' buffers static zeros) computes peer_paths' verify logits, with
-    the all-reduce-and-norm kernel at every reduce point; its negative control: the same with the
-    static peers' rows at 0.03 instead of zero."""
+    the all-reduce-and-norm kernel at every reduce point but the MoE's that a norm follows, which the
+    MoE reduce all-reduces itself (``peer_fused_reduce_apart``: the kernel there too); its negative
+    control: the same with the static peers' rows at 0.03 instead of zero."""
     import collections
     import functools
     import sys
@@ -208,7 +209,8 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     spied = ((fastmod._sampler, "sample_topk_topp"), (fastmod._router, "route_folded"),
              (fastmod._norm, "fused_add_rmsnorm"), (fastmod._peer, "peer_add_rmsnorm"))
     counts, states, xchg, logits = {}, {}, {}, {}
-    for arm in ("default", "peer_paths", "sampler_one_stage", "peer_fused", "peer_fused_ones"):
+    for arm in ("default", "peer_paths", "sampler_one_stage", "peer_fused", "peer_fused_reduce_apart",
+                "peer_fused_ones"):
         rnd, st = eng.start(prompt_for(cfg, 40), 0, 16)
         if arm == "peer_fused_ones":
             bad = eng.comm.peer_exchange(8, cfg.hidden_size, eng.device)
@@ -244,17 +246,22 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
         assert torch.equal(getattr(states["default"], name), getattr(states["sampler_one_stage"], name)), name
     assert p["fused_add_rmsnorm"] > d["fused_add_rmsnorm"]
     # the fused all-reduce: a pass reduces its embedding rows, after every attention and after every MoE
-    # (the last with no norm): verify's 2 layers 5 points, the draft's MTP layer 3; one kernel each. Four
-    # of them are norms peer_paths did with the add + RMSNorm kernel.
-    f = counts["peer_fused"]
-    assert f["peer_add_rmsnorm"] == 8 and f["fused_add_rmsnorm"] == p["fused_add_rmsnorm"] - 4
-    assert xchg["peer_fused"].state[0].item() == 8 and xchg["peer_fused"].failure() is None
+    # (the last with no norm): verify's 2 layers 5 points, the draft's MTP layer 3. Four of them are norms
+    # peer_paths did with the add + RMSNorm kernel. With the reduce apart, one exchange kernel each; by
+    # default verify's first MoE (a norm follows it) all-reduces in its reduce: one kernel fewer.
+    f, a = counts["peer_fused"], counts["peer_fused_reduce_apart"]
+    assert a["peer_add_rmsnorm"] == 8 and a["fused_add_rmsnorm"] == p["fused_add_rmsnorm"] - 4
+    assert f["peer_add_rmsnorm"] == 7 and f["fused_add_rmsnorm"] == a["fused_add_rmsnorm"]
+    for arm in ("peer_fused", "peer_fused_reduce_apart"):
+        assert xchg[arm].state[0].item() == 8 and xchg[arm].failure() is None
     # the same verify logits (in the interpreter within its FP32 -> BF16 truncations: the pass's last add
     # is torch's there, the kernel's here); the control's far off
     e_fused = rel_err(logits["peer_fused"], logits["peer_paths"])
+    e_apart = rel_err(logits["peer_fused_reduce_apart"], logits["peer_paths"])
     e_bad = rel_err(logits["peer_fused_ones"], logits["peer_paths"])
-    print(f"peer_fused vs peer_paths: verify logits {e_fused:.2e}; static peers at 0.03: {e_bad:.2e}")
-    assert e_fused < 1e-2 < e_bad
+    print(f"peer_fused vs peer_paths: verify logits {e_fused:.2e} (reduce apart {e_apart:.2e}); "
+          f"static peers at 0.03: {e_bad:.2e}")
+    assert e_fused < 1e-2 < e_bad and e_apart < 1e-2
 
 
 def test_fused_allreduce_config_errors():

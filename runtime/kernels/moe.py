@@ -64,6 +64,8 @@ from ._common import check, launch_carved, launch_signature, next_pow2, pdl_supp
 from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp, _stamp_after
 from . import norm as _norm
 from .norm import load_weight, rms_scale
+from .peer import _base, _fence, _gather, _poll, _record_and_rearm
+from .peer import exchange_launch as _peer_launch
 
 # Rows per expert group: at most w <= 8 pairs share an expert (each row picks 8 distinct experts);
 # the tensor-core product needs M >= 16.
@@ -567,11 +569,17 @@ def _moe_down_wide_kernel(
     _stamp(TL, prog, 3, TIMELINE)
 
 
-@triton.jit(launch_metadata=launch_signature)
+# (RANK not specialized: one binary for every rank, as the exchange's own kernel: runtime/kernels/peer.py)
+@triton.jit(launch_metadata=launch_signature, do_not_specialize=["RANK"])
 def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om, stride_r, eps,
+                       PTRS, STATE, RANK, timeout_ns,
                        H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
                        NORM: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1, NORM_BUG: tl.constexpr = False,
-                       WEIGHT_FIRST: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0):
+                       WEIGHT_FIRST: tl.constexpr = False, TL=None, TIMELINE: tl.constexpr = False, TL_BASE=0,
+                       PEER: tl.constexpr = False, ROWS: tl.constexpr = 8, K: tl.constexpr = 4, R: tl.constexpr = 1,
+                       ON_GPU: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1, LAG: tl.constexpr = 2,
+                       ACQ: tl.constexpr = 0, REL: tl.constexpr = 0, FENCE_ONE: tl.constexpr = False,
+                       NO_REARM: tl.constexpr = False):
     # It does not release the next kernel early (session 14, call 6: the chain of early launches then
     # reached the next layer's attention while the Down ran, and the step was 4 % slower).
     if NORM:
@@ -592,7 +600,21 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
         wk = tl.load(TW + r * stride_tw + k).to(tl.float32)
         acc += wk * tl.load(Y + (r * TOPK + k) * stride_ym + offs, mask=ok, other=0.0)
     if NORM:   # RES += m (m rounded to BF16 first, as the separate add + norm kernel reads it) ...
-        m = acc.to(tl.bfloat16).to(tl.float32)
+        m = acc.to(tl.bfloat16)
+        if PEER:   # ... m all-reduced first: this block of it over the exchange (runtime/kernels/peer.py)
+            seq = tl.load(STATE + r, volatile=True)
+            own = _base(PTRS, RANK)
+            off = ((seq & (K - 1)) * ROWS + r) * H
+            tl.store(own + off + offs, m, mask=ok)     # publish
+            mf = m.to(tl.float32)
+            acc, nan = _gather(PTRS, off, offs, ok, mf, RANK, R)
+            acc, nan = _poll(PTRS, off, offs, ok, mf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS)
+            if ON_GPU:
+                _fence(ACQ, FENCE_ONE)
+            _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, mf, RANK, R, r, tl.num_programs(0), ROWS, H,
+                              K, LAG, NO_REARM)
+            m = acc.to(tl.bfloat16)
+        m = m.to(tl.float32)
         res_ptr = RES + r * stride_r + offs
         rv = (tl.load(res_ptr, mask=ok, other=0.0).to(tl.float32) + m).to(RES.dtype.element_ty)
         tl.store(res_ptr, rv, mask=ok)
@@ -610,6 +632,11 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
             tl.store(OUT + r * stride_om + full, rms_scale(rr, ss, wt, H, eps).to(OUT.dtype.element_ty),
                      mask=fok)
             tl.atomic_xchg(CNT + r, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
+            if PEER:   # the row's last program: every program of the row has read the sequence number
+                for rr in range(r, ROWS, tl.num_programs(0)):
+                    tl.store(STATE + rr, seq + 1)
+        if PEER and ON_GPU:
+            _fence(REL, FENCE_ONE)
     else:
         tl.store(OUT + r * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)
     _stamp(TL, prog, 3, TIMELINE)
@@ -892,11 +919,13 @@ def _launch_down_wide(act, act_scale, ids, w2, s2, y, P, *, nb, num_stages=None,
 
 
 def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=False, weight_first=None,
-                   tl_buf=None, tl_base=0):
+                   tl_buf=None, tl_base=0, peer=None):
     """v1 reduce: out[r] = sum_k tw[r, k] y[r * 8 + k] (one launch). ``norm`` = (residual, weight, eps,
     counter): instead residual += that sum (rounded to BF16) and out = RMSNorm(residual) * weight,
     computed by each row's last program (``counter``: int32 zeros, at least w, left zero). Every program
-    loads the norm weight before its wait (``weight_first``, default norm.WEIGHT_FIRST)."""
+    loads the norm weight before its wait (``weight_first``, default norm.WEIGHT_FIRST). ``peer`` =
+    (exchange, keywords of ``peer.exchange_launch``), with ``norm``: the sum all-reduced over the
+    exchange before the add (the fused all-reduce; one point of the exchange's sequence)."""
     w, H = out.shape
     block_h = block_h or RED_BLOCK_H
     if norm is not None:
@@ -904,12 +933,19 @@ def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=F
     else:
         res = wt = cnt = out
         eps = 0.0
+    xargs, xconst = (y, cnt, 0, 0), {}
+    if peer is not None:
+        xchg, popts = peer
+        check(norm is not None and H == xchg.width and w <= xchg.rows and xchg.own.device == y.device,
+              f"peer: with norm, out [w <= {xchg.rows}, {xchg.width}] (the exchange's shape), one device")
+        xargs, xconst = _peer_launch(xchg, y.device, **popts)
+        xconst["PEER"] = True
     _moe_reduce_kernel[(w, triton.cdiv(H, block_h))](
-        y, tw, out, res, wt, cnt, y.stride(0), tw.stride(0), out.stride(0), res.stride(0), float(eps),
+        y, tw, out, res, wt, cnt, y.stride(0), tw.stride(0), out.stride(0), res.stride(0), float(eps), *xargs,
         H=H, TOPK=tw.shape[1], BLOCK_H=block_h, PDL=pdl, NORM=norm is not None, BLOCK_ROW=next_pow2(H),
         NORM_BUG=bool(norm_bug), num_warps=RED_NORM_NUM_WARPS if norm is not None else 4,
         WEIGHT_FIRST=norm is not None and _norm.resolve_weight_first(weight_first),
-        TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base,
+        TL=y if tl_buf is None else tl_buf, TIMELINE=tl_buf is not None, TL_BASE=tl_base, **xconst,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -974,7 +1010,7 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
              pdl=None, down_prefetch=None, red_block_h=None, gu_unroll=None, _scale_bug=False,
              gu_pdl=None, norm=None, norm_weight_first=None, _drop_split=False, _pdl_no_wait=False,
              _gu_no_wait=False, _norm_bug=False, _timeline=None, gu_weights_a=None, down_weights_a=None,
-             group_table=None, group_bits=None, gu_block_k=None, gu_carveout=None):
+             group_table=None, group_bits=None, gu_block_k=None, gu_carveout=None, peer=None):
     """Buffers and the launches of one call: (out, [(name, launch), ...]); fused_moe_fp8 runs the
     launches in order. The benchmark times each launch alone (buffers are allocated here, outside
     the launches; v2's counters are zeroed here and left zero by every complete call)."""
@@ -1062,10 +1098,10 @@ def moe_plan(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, *, variant=N
                                         e_words=ew))),
             ("reduce", lambda: _launch_reduce(y, tw, out, pdl=use_pdl, block_h=red_block_h, norm=norm,
                                               norm_bug=_norm_bug, weight_first=norm_weight_first,
-                                              tl_buf=_timeline, tl_base=n_gu + n_dn)),
+                                              tl_buf=_timeline, tl_base=n_gu + n_dn, peer=peer)),
         ]
         return out, steps
-    check(norm is None, "norm= (the reduce with the next add + RMSNorm) is a v1 option")
+    check(norm is None and peer is None, "norm= (the reduce with the next add + RMSNorm) and peer= are v1 options")
     check(topk == 8, "v2 needs top-8 (power-of-two row tile)")
     split_k = max(1, min(gu_split_k or GU2_SPLIT_K, s13.shape[2]))
     split_e = max(1, down_split_e or DOWN2_SPLIT_E)
@@ -1131,6 +1167,9 @@ def fused_moe_fp8(x, topk_ids, topk_weights, w13, s13, w2, s2, out=None, **optio
     ``counter`` int32 zeros, at least w, left zero by each call) - the MoE output itself is then not
     written; ``norm_weight_first``: its weight loaded before the reduce's wait (default
     norm.WEIGHT_FIRST); ``_norm_bug``: its negative control (a block left out of the sum of squares).
+    ``peer`` = (a ``peer.PeerExchange``, keywords of ``peer.exchange_launch``), with ``norm``: the MoE
+    output is this rank's partial sum, all-reduced over the exchange inside the reduce before the add
+    (the fused all-reduce, DESIGN.md "Tensor parallel": one point of the exchange's sequence).
     ``_scale_bug`` is the negative control of the tests (reads the next H/I block's weight scale);
     ``_drop_split`` (v2) leaves out the last expert split of the Down reduction; ``_pdl_no_wait``
     launches the wide Down early (pdl) without its wait; ``_gu_no_wait`` the same for Gate/Up.

@@ -27,23 +27,30 @@ The kernel (``_peer_add_rmsnorm_kernel``, grid (T,), program = one row)
    and so gets the same bits; the sum is rounded to BF16 (what an all-reduce of BF16 tensors returns).
 4. residual += sum; out = RMSNorm(residual) * weight (and out16), exactly as ``fused_add_rmsnorm``
    does with that sum as its x: the same bits as all-reduce-then-norm with a rank-order FP32 sum.
-5. Re-arms its own slot (n - 1) mod K, every row of it, with NaN, and advances the sequence number
+5. Re-arms its own slot (n - 2) mod K, every row of it, with NaN, and advances the sequence number
    (one counter per row of the exchange, each advanced by exactly one program: no atomics).
 
-Why the re-arm is safe with K >= 3 (K = 4 here): rank r re-arms slot n - 1 in point n's kernel,
-after it has read every peer's data of point n; a peer publishes point n's data only after its
-kernel of point n - 1, which read r's data of point n - 1, has finished, so no peer still needs
-slot n - 1's old data. A peer reads that slot again only for point n - 1 + K, which it reaches only
-after reading r's data of point n - 2 + K >= n + 1 (K >= 3), published by r after this re-arm (stream
-order, and a system-scope fence after the re-arm and after each poll: the message-passing pattern
-with the data itself as the flag). K = 2 would let a fast peer read slot n - 1's stale data as
-point n + 1's before r re-arms it (the tests' ``_no_rearm`` control shows what a missing re-arm does).
+Why the re-arm is safe with no fence (K = 4, the re-arm two points back)
+------------------------------------------------------------------------
+Every ordering the exchange needs runs through kernel boundaries on both ranks: each rank's kernels
+of successive points run in stream order, a kernel's work after its griddepcontrol.wait starts only
+once the kernels before it have completed, and a completed kernel's stores to its GPU's memory are
+visible to every later reader, a peer's included (the buffers live in the publishing rank's memory;
+peers read them there).
+- Nobody still needs the data a re-arm destroys. Rank r re-arms slot n - 2 in point n's kernel. That
+  kernel runs after r's kernel of point n - 1, which read every peer's data of point n - 1; a peer
+  published that in its kernel of point n - 1, which ran after its kernel of point n - 2 had read r's
+  slot n - 2. (Re-arming slot n - 1 instead, ``rearm_lag=1``, orders the re-arm after a read of the
+  same kernel: that needs a fence between them, ``fence="sys_acq"``.)
+- Nobody reads stale data. A peer reads r's slot s = m mod K for point m only after it has read r's
+  data of point m - 1, which r published in a kernel after the one that re-armed slot s (point m - 2,
+  since m - K < m - 2). K >= lag + 2.
 
-The fences (``fence``, default "sys"): the data needs none (each element is either NaN or final), the
-re-arm's order against later publications does. A rank's buffer lives in its own GPU's memory and its
-peers read it through that GPU's L2, so kernel boundaries order its stores as its peers see them in
-practice; the PTX memory model asks for system scope between GPUs. "gpu" and "none" are measurement
-options (``bench_step --ab peer_fused_fence_gpu / _none``).
+The fences (``fence``, default "none"): "sys" / "gpu" put a fence.acq_rel (system / GPU scope) after
+the gather and after the re-arm; "sys_acq" / "sys_rel" one of them; "sys_one" / "gpu_one" one thread
+per program between barriers. With the re-arm two points back they order nothing that the kernel
+boundaries above do not; they are measurement options (``experiments/ab_peer.py``, ``bench_step --ab
+peer_fused_fence_*``).
 
 A true NaN in a partial sum would look unpublished: it ends in the failure exit, reported as such.
 """
@@ -58,8 +65,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globalti
 from ._common import check, compiled_cuda, launch_signature, next_pow2, pdl_supported
 from .norm import NUM_WARPS, resolve_weight_first, rms_scale
 
-K_SLOTS = 4          # slots per rank's buffer (>= 3, a power of two: see the module docstring)
+K_SLOTS = 4          # slots per rank's buffer (>= the re-arm's lag + 2, a power of two: see the module docstring)
 PDL = True
+# warps per program below 4,096 wide (the test widths; at 256 wide and 8 ranks, 4 and 8 warps kept an 8 B
+# stack frame in some forms)
+NUM_WARPS_SMALL = 2
 TIMEOUT_S = 10.0     # the bound on one read of a peer's row (ranks' hosts may launch seconds apart)
 INTERPRET_POLLS = 4  # the bound under the Triton interpreter (programs run one after another there)
 # The state (int32): the sequence number once per row of the exchange (state[0:rows]: program p reads
@@ -67,15 +77,18 @@ INTERPRET_POLLS = 4  # the bound under the Triton interpreter (programs run one 
 # record: state[rows + FAILED], state[rows + FAILED_AT].
 FAILED, FAILED_AT = 0, 1
 _FAILED, _FAILED_AT = tl.constexpr(FAILED), tl.constexpr(FAILED_AT)   # (in kernels)
-# The fences around the exchange (keyword ``fence``): "sys" (fence.acq_rel.sys: the PTX memory model's
-# scope for other GPUs), "gpu" (fence.acq_rel.gpu) or "none". See the module docstring.
-FENCE = "sys"
+# The fences around the exchange (keyword ``fence``): "none" (the re-arm two points back needs none),
+# "sys" (fence.acq_rel.sys after the gather and after the re-arm), "gpu" (fence.acq_rel.gpu), or the
+# forms below. See the module docstring.
+FENCE = "none"
 # name -> (the acquire fence's scope, the release fence's, one thread per program between barriers)
 _FENCES = {"none": (0, 0, False), "gpu": (1, 1, False), "sys": (2, 2, False), "sys_acq": (2, 0, False),
            "sys_rel": (0, 2, False), "sys_one": (2, 2, True), "gpu_one": (1, 1, True)}
 # The fast path's one reduction (keyword one_reduce): with every row ready, the sum of squares is the
 # only reduction (an unready element makes it NaN; then the count of NaNs decides, as without it)
-ONE_REDUCE = False
+ONE_REDUCE = True
+# The slot a point re-arms: its own slot of REARM_LAG points back (keyword rearm_lag; see the module docstring)
+REARM_LAG = 2
 
 
 class PeerTimeout(RuntimeError):
@@ -183,6 +196,22 @@ def _unready(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
     return missing
 
 
+@triton.jit
+def _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, x, RANK, R: tl.constexpr, row, T, ROWS: tl.constexpr,
+                      H: tl.constexpr, K: tl.constexpr, LAG: tl.constexpr, NO_REARM: tl.constexpr):
+    """After a gather that ended with ``nan`` unready elements: the failure record (which ranks, and
+    the first point plus one) if any; then slot seq - LAG re-armed (NaN) at ``offs`` for rows row,
+    row + T, ... (every row: the pass of that point may have had more rows than this one)."""
+    if nan > 0:
+        tl.atomic_or(STATE + ROWS + _FAILED, _unready(PTRS, off, offs, ok, x, RANK, R))
+        tl.atomic_cas(STATE + ROWS + _FAILED_AT, 0, seq + 1)
+    if not NO_REARM:
+        arm = tl.full(offs.shape, float("nan"), tl.float32).to(tl.bfloat16)
+        prev = (seq + K - LAG) & (K - 1)
+        for rr in range(row, ROWS, T):
+            tl.store(own + (prev * ROWS + rr) * H + offs, arm, mask=ok)
+
+
 # (T and RANK not specialized: one binary for every rank and row count. A first launch of another
 # specialization would load a module, which waits for the device to idle: behind a spinning kernel
 # of another rank in the same process, a stall until the bound)
@@ -193,7 +222,8 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
                              WEIGHT_FIRST: tl.constexpr, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr,
                              NO_REARM: tl.constexpr, ADD: tl.constexpr = True, NORM: tl.constexpr = True,
                              ACQ: tl.constexpr = 2, REL: tl.constexpr = 2, FENCE_ONE: tl.constexpr = False,
-                             ONE_REDUCE: tl.constexpr = False, SEQ_FIRST: tl.constexpr = False):
+                             ONE_REDUCE: tl.constexpr = False, SEQ_FIRST: tl.constexpr = False,
+                             LAG: tl.constexpr = 2):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -212,9 +242,7 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
     res = x
     if ADD:
         res = tl.load(res_ptr, mask=ok, other=0.0)   # (held in its own dtype across the gather)
-    slot = seq & (K - 1)
-    prev = (seq + K - 1) & (K - 1)
-    off = (slot * ROWS + row) * H     # this row in slot s, in every rank's buffer
+    off = ((seq & (K - 1)) * ROWS + row) * H     # this row in slot seq mod K, in every rank's buffer
     tl.store(own + off + offs, x, mask=ok)     # publish
     xf = x.to(tl.float32)
     if ONE_REDUCE and NORM:   # an unready element makes the sum of squares NaN: one reduction when all are ready
@@ -230,7 +258,7 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
         acc, nan = _poll(PTRS, off, offs, ok, xf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS)
         r, ss = _residual(acc, res, ADD, RES.dtype.element_ty)
     if ON_GPU:
-        _fence(ACQ, FENCE_ONE)   # acquire: what peers published before their data is visible from here on
+        _fence(ACQ, FENCE_ONE)   # (a fence form's acquire: the gather before the re-arm)
     tl.store(res_ptr, r, mask=ok)
     if NORM:
         if not WEIGHT_FIRST:
@@ -240,18 +268,12 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
         tl.store(OUT + row * stride_o + offs, o, mask=ok)
         if HAS16:
             tl.store(OUT16 + row * stride_o16 + offs, o.to(tl.float32).to(tl.float16), mask=ok)
-    if nan > 0:   # the failure record: which ranks, and the first point (plus one)
-        tl.atomic_or(STATE + ROWS + _FAILED, _unready(PTRS, off, offs, ok, xf, RANK, R))
-        tl.atomic_cas(STATE + ROWS + _FAILED_AT, 0, seq + 1)
-    # every row of the previous point's slot re-armed (its pass may have had more rows), and every
-    # row's sequence number advanced: this program's rows, row + T, row + 2T, ...
-    arm = tl.full([BLOCK_H], float("nan"), tl.float32).to(tl.bfloat16)
-    for rr in range(row, ROWS, T):
-        if not NO_REARM:
-            tl.store(own + (prev * ROWS + rr) * H + offs, arm, mask=ok)
+    _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, xf, RANK, R, row, T, ROWS, H, K, LAG, NO_REARM)
+    for rr in range(row, ROWS, T):   # every row's sequence number advanced: this program's rows, row + T, ...
         tl.store(STATE + rr, seq + 1)
     if ON_GPU:
-        _fence(REL, FENCE_ONE)   # release: the re-arm before anything this rank publishes later
+        _fence(REL, FENCE_ONE)   # (a fence form's release: the re-arm before what this rank publishes later)
+
 
 class PeerExchange:
     """One rank's side of the exchange: its NaN-armed buffer ``own`` [K_SLOTS, rows, width] BF16,
@@ -321,20 +343,36 @@ class PeerExchange:
         self.state.zero_()
 
 
+def exchange_launch(xchg: PeerExchange, device, fence=None, rearm_lag=None, max_polls=None,
+                    _no_rearm=False) -> tuple[tuple, dict]:
+    """The exchange's launch arguments for a kernel that all-reduces over it (this module's, the MoE
+    reduce's): (PTRS, STATE, RANK, timeout_ns) and its constexprs (ROWS, K, R, ON_GPU, MAX_POLLS, LAG,
+    ACQ, REL, FENCE_ONE, NO_REARM). See ``peer_add_rmsnorm`` for the keywords."""
+    check((FENCE if fence is None else fence) in _FENCES, f"fence: one of {sorted(_FENCES)}")
+    lag = REARM_LAG if rearm_lag is None else int(rearm_lag)
+    check(1 <= lag <= K_SLOTS - 2, f"rearm_lag: 1 to {K_SLOTS - 2}")
+    acq, rel, one = _FENCES[FENCE if fence is None else fence]
+    return ((xchg.ptrs, xchg.state, xchg.rank, int(xchg.timeout_s * 1e9)),
+            dict(ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, ON_GPU=compiled_cuda(device),
+                 MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), LAG=lag, ACQ=acq, REL=rel,
+                 FENCE_ONE=one, NO_REARM=bool(_no_rearm)))
+
+
 def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, out16=None, add=True, norm=True,
-                     pdl=None, weight_first=None, fence=None, one_reduce=None, max_polls=None, _no_rearm=False,
-                     _seq_first=False):
+                     pdl=None, weight_first=None, fence=None, one_reduce=None, rearm_lag=None, max_polls=None,
+                     _no_rearm=False, _seq_first=False):
     """residual += all-reduce(x) over the exchange's ranks; out = RMSNorm(residual) * weight (BF16),
     ``out16`` as ``fused_add_rmsnorm``'s. x [T, H] BF16: this rank's partial sum (T <= the
     exchange's rows, H its width). One launch; see the module docstring. ``add=False``: residual =
     all-reduce(x) (not read: a residual stream's start). ``norm=False``: no norm (weight, out and
     out16 unused; returns residual). ``fence``: the fences' scope (default FENCE; see _FENCES).
-    ``one_reduce``: default ONE_REDUCE. ``_seq_first``: the sequence number read before the wait
+    ``one_reduce``: default ONE_REDUCE. ``rearm_lag``: the slot re-armed at point n is n - lag's
+    (default REARM_LAG; 1 <= lag <= K_SLOTS - 2). ``_seq_first``: the sequence number read before the wait
     (measurement only: correct only while the previous point's kernel is sure to be complete). ``max_polls``: the
     interpreter's bound (default INTERPRET_POLLS). ``_no_rearm``: the tests' negative control (slots
     never re-armed: a lagging peer's stale row is read as its new one)."""
     check(x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1, "x [T, H] BF16, contiguous rows")
-    check((FENCE if fence is None else fence) in _FENCES, f"fence: one of {sorted(_FENCES)}")
+    xargs, xconst = exchange_launch(xchg, x.device, fence, rearm_lag, max_polls, _no_rearm)
     T, H = x.shape
     check(residual.shape == x.shape and residual.stride(1) == 1, "residual [T, H]")
     if not norm:
@@ -351,17 +389,14 @@ def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, 
     block_h = next_pow2(H)
     check(block_h <= 32768, "H <= 32768")
     use_pdl = pdl_supported(x.device) and (PDL if pdl is None else bool(pdl))
+    ptrs, state, rank, timeout_ns = xargs
     _peer_add_rmsnorm_kernel[(T,)](
-        x, residual, weight, out, out16 if has16 else out, xchg.ptrs, xchg.state, T, xchg.rank,
-        x.stride(0), residual.stride(0), out.stride(0), out16.stride(0) if has16 else 0, float(eps),
-        int(xchg.timeout_s * 1e9),
-        H=H, BLOCK_H=block_h, ROWS=xchg.rows, K=K_SLOTS, R=xchg.size, HAS16=has16, PDL=use_pdl,
-        WEIGHT_FIRST=resolve_weight_first(weight_first) and bool(norm), ON_GPU=compiled_cuda(x.device),
-        MAX_POLLS=int(INTERPRET_POLLS if max_polls is None else max_polls), NO_REARM=bool(_no_rearm),
-        ADD=bool(add), NORM=bool(norm),
-        **dict(zip(("ACQ", "REL", "FENCE_ONE"), _FENCES[FENCE if fence is None else fence])),
+        x, residual, weight, out, out16 if has16 else out, ptrs, state, T, rank,
+        x.stride(0), residual.stride(0), out.stride(0), out16.stride(0) if has16 else 0, float(eps), timeout_ns,
+        H=H, BLOCK_H=block_h, HAS16=has16, PDL=use_pdl, WEIGHT_FIRST=resolve_weight_first(weight_first) and bool(norm),
+        ADD=bool(add), NORM=bool(norm), **xconst,
         ONE_REDUCE=ONE_REDUCE if one_reduce is None else bool(one_reduce), SEQ_FIRST=bool(_seq_first),
-        num_warps=NUM_WARPS if block_h >= 4096 else 8,   # (4 at 256 wide, 8 ranks: 8 B of stack)
+        num_warps=NUM_WARPS if block_h >= 4096 else NUM_WARPS_SMALL,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out if norm else residual

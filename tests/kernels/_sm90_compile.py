@@ -73,12 +73,16 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_peer_add_rmsnorm_kernel", "SYS_FENCE", "fence.acq_rel.sys"),
              ("_peer_add_rmsnorm_kernel", "GPU_FENCE", "fence.acq_rel.gpu"),
              ("_peer_add_rmsnorm_kernel", "ON_GPU", "ld.volatile.global"),
-             ("_peer_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait")]
+             ("_peer_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait"),
+             ("_moe_reduce_kernel", "PEER", "ld.volatile.global"),
+             ("_moe_reduce_kernel", "SYS_FENCE", "fence.acq_rel.sys")]
 
 
 # Keys of PTX_MARKS computed from a launch's constexprs: (kernel, key) -> function of them
 DERIVED = {("_peer_add_rmsnorm_kernel", "SYS_FENCE"): lambda kw: bool(kw["ON_GPU"]) and 2 in (kw["ACQ"], kw["REL"]),
-           ("_peer_add_rmsnorm_kernel", "GPU_FENCE"): lambda kw: bool(kw["ON_GPU"]) and 1 in (kw["ACQ"], kw["REL"])}
+           ("_peer_add_rmsnorm_kernel", "GPU_FENCE"): lambda kw: bool(kw["ON_GPU"]) and 1 in (kw["ACQ"], kw["REL"]),
+           ("_moe_reduce_kernel", "SYS_FENCE"):
+               lambda kw: bool(kw.get("PEER")) and bool(kw.get("ON_GPU")) and 2 in (kw.get("ACQ"), kw.get("REL"))}
 
 
 # Keywords that put weight loads before griddepcontrol.wait (and without which no global load precedes
@@ -289,7 +293,7 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS, PF):
 
 
 
-def _launch_peer(PE):
+def _launch_peer(PE, M):
     """The fused all-reduce + add + RMSNorm (runtime/kernels/peer.py) at q1 (H = 6144) and q1-tiny
     widths, 2 and 8 ranks, 1 and 8 rows, with and without the FP16 copy and the re-arm, and its forms
     without the add and without the norm."""
@@ -309,6 +313,12 @@ def _launch_peer(PE):
             for f in sorted(PE._FENCES):
                 PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, fence=f)
             PE.peer_add_rmsnorm(x, x.clone(), torch.ones(H).to(bf), 1e-6, xchg, _seq_first=True)
+        for T in (1, 8):   # the MoE reduce all-reducing over the exchange, with the next add + norm
+            y = torch.randn(T * 8, H)
+            for kw in ({}, dict(rearm_lag=1, fence="sys_acq"), dict(_no_rearm=True)):
+                M._launch_reduce(y, torch.ones(T, 8), torch.empty(T, H).to(bf), pdl=True, peer=(xchg, kw),
+                                 norm=(torch.randn(T, H).to(bf), torch.ones(H).to(bf), 1e-6,
+                                       torch.zeros(8, dtype=torch.int32)))
 
 
 def main():
@@ -328,7 +338,7 @@ def main():
     _launch_everything(*mods)
     pe = _compile_only("peer", sink)
     pe.pdl_supported = pe.compiled_cuda = lambda device: True
-    _launch_peer(pe)
+    _launch_peer(pe, mods[1])
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         cuobjdump = shutil.which("cuobjdump")

@@ -10,7 +10,8 @@ Every rank's side of an exchange lives in this process (``PeerExchange.group``).
 Checks: each rank's residual and output against the rank-order FP32 sum of the partials rounded to BF16
 and then ``fused_add_rmsnorm`` (bit for bit on the GPU; in the interpreter, whose FP32 -> BF16 conversion
 truncates, within one BF16 step / TOL of the FP64 norm); every rank the same bits; after each point the
-own slot holds the published row, the previous slot is re-armed (NaN), the sequence number advanced.
+own slot holds the published row, the slot of REARM_LAG points back is re-armed (NaN) and the one
+between not yet, the sequence number advanced.
 A peer that never publishes ends in the failure exit, reported (``PeerTimeout``), not a hang.
 
 Negative control (``_no_rearm``, slots never re-armed): the re-arm check fails, and a lagging peer's
@@ -58,41 +59,78 @@ def close(a, b, exact, xs=None):
 
 
 MODES = ("add_norm", "add_norm", "start", "add_only")   # by point, in turn
+TOPK = 4   # (the MoE reduce's experts per row in these tests)
 
 
-def run_staged(R, H, rows_seq, seed, exact, **kw):
+def reduce_inputs(Mm, R, T, H, seed):
+    """Every rank's MoE reduce inputs (per-pair FP32 rows y [T * TOPK, H], routing weights [T, TOPK])
+    and what each rank publishes: its reduce's sum, BF16 (the plain reduce's output)."""
+    g = torch.Generator().manual_seed(seed)
+    tw = torch.rand(T, TOPK, generator=g).to(DEV)
+    ys = [torch.randn(T * TOPK, H, generator=g).to(DEV) for _ in range(R)]
+    parts = [torch.empty(T, H, dtype=torch.bfloat16, device=DEV) for _ in range(R)]
+    for y, m in zip(ys, parts):
+        Mm._launch_reduce(y, tw, m)
+    return [(y, tw) for y in ys], parts
+
+
+def point_inputs(kernel, R, T, H, seed):
+    """(every rank's inputs to ``launch_point``, what each rank publishes) for one point."""
+    if kernel == "peer":
+        parts = parts_for(R, T, H, seed)
+        return parts, parts
+    return reduce_inputs(load_kernels("moe"), R, T, H, seed)
+
+
+def launch_point(kernel, inputs, res, wt, o, o16, xchg, mode, cnt=None, **kw):
+    """One rank's launch of one point: the exchange's own kernel ("peer", inputs = the rank's partial
+    rows) or the MoE reduce with the exchange and the next add + norm ("moe_reduce", inputs = (y, tw):
+    the add + norm form only; it writes no FP16 copy; ``cnt``: its counter, int32 zeros, left zero)."""
+    if kernel == "peer":
+        load_kernels("peer").peer_add_rmsnorm(inputs, res, wt, EPS, xchg, out=o, out16=o16, add=mode != "start",
+                                              norm=mode != "add_only", **kw)
+    else:
+        y, tw = inputs
+        cnt = torch.zeros(8, dtype=torch.int32, device=DEV) if cnt is None else cnt
+        load_kernels("moe")._launch_reduce(y, tw, o, pdl=HAS_CUDA, norm=(res, wt, EPS, cnt), peer=(xchg, kw))
+
+
+def run_staged(R, H, rows_seq, seed, exact, kernel="peer", **kw):
     """Points with the row counts ``rows_seq``, every rank staged then run; returns the problems found.
-    The kernel's three forms in turn (MODES): add + norm, a residual's start (add=False: the residual
-    is the sum, then the norm) and the add alone (norm=False: the outputs stay as poisoned)."""
+    The exchange's kernel in its three forms in turn (MODES): add + norm, a residual's start (add=False:
+    the residual is the sum, then the norm) and the add alone (norm=False: the outputs stay as
+    poisoned); the MoE reduce ("moe_reduce") in its one form, add + norm."""
     Nm, Pm = load_kernels("norm"), load_kernels("peer")
     ex = Pm.PeerExchange.group(R, max(rows_seq), H, DEV)
     g = torch.Generator().manual_seed(seed)
     res0 = (torch.randn(max(rows_seq), H, generator=g) * 4).to(torch.bfloat16).to(DEV)
     wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEV)
-    problems = []
+    problems, prev = [], None
     for n, T in enumerate(rows_seq):
-        parts = parts_for(R, T, H, seed * 100 + n)
+        inputs, parts = point_inputs(kernel, R, T, H, seed * 100 + n)
+        mode = MODES[n % len(MODES)] if kernel == "peer" else "add_norm"
         for q in range(R):
             stage(Pm, ex[q], parts[q], n)
-        mode = MODES[n % len(MODES)]
         base = torch.zeros_like(res0[:T]) if mode == "start" else res0[:T]
         r_exp, o_exp, o16_exp = expected(Nm, Pm, parts, base, wt)
+        if mode == "add_only" or kernel != "peer":   # (outputs not written: they stay as poisoned)
+            o16_exp = torch.full((T, H), float("nan"), dtype=torch.float16, device=DEV)
         if mode == "add_only":
-            o_exp = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-            o16_exp = o_exp.half()
+            o_exp = o16_exp.to(torch.bfloat16)
         outs = []
         for q in range(R):
             res = res0[:T].clone()
             o16 = torch.full((T, H), float("nan"), dtype=torch.float16, device=DEV)
             o = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-            Pm.peer_add_rmsnorm(parts[q], res, wt, EPS, ex[q], out=o, out16=o16, add=mode != "start",
-                                norm=mode != "add_only", **kw)
+            launch_point(kernel, inputs[q], res, wt, o, o16, ex[q], mode, **kw)
             outs.append((res, o, o16))
             if not close(res, r_exp, exact, Pm.peer_add_rmsnorm_reference(parts, base)[1]):
                 problems.append(f"point {n} rank {q}: residual")
-            if mode == "add_only" and not (o.isnan().all() and o16.isnan().all()):
+            same = [torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+                    for a, b in ((o, o_exp), (o16, o16_exp))]
+            if mode == "add_only" and not all(same):
                 problems.append(f"point {n} rank {q}: add alone wrote an output")
-            elif exact and mode != "add_only" and not (torch.equal(o, o_exp) and torch.equal(o16, o16_exp)):
+            elif exact and mode != "add_only" and not all(same):
                 problems.append(f"point {n} rank {q}: output")
             if not exact and mode != "add_only":
                 rd = res.double()
@@ -104,34 +142,41 @@ def run_staged(R, H, rows_seq, seed, exact, **kw):
                 problems.append(f"point {n} rank {q}: state {st}")
             if not torch.equal(ex[q].own[n % Pm.K_SLOTS, :T], parts[q]):
                 problems.append(f"point {n} rank {q}: not published")
-            if n > 0 and not bool(ex[q].own[(n - 1) % Pm.K_SLOTS].isnan().all()):
-                problems.append(f"point {n} rank {q}: previous slot not re-armed")
+            lag = kw.get("rearm_lag", Pm.REARM_LAG)
+            if n >= lag and not bool(ex[q].own[(n - lag) % Pm.K_SLOTS].isnan().all()):
+                problems.append(f"point {n} rank {q}: slot n - {lag} not re-armed")
+            if lag > 1 and n > 0 and not torch.equal(ex[q].own[(n - 1) % Pm.K_SLOTS, :rows_seq[n - 1]], prev[q]):
+                problems.append(f"point {n} rank {q}: slot n - 1 re-armed early")
         if not all(torch.equal(outs[0][i].nan_to_num(), o[i].nan_to_num()) for o in outs[1:] for i in range(3)):
             problems.append(f"point {n}: ranks differ")
+        prev = parts
     return problems
 
 
-def lagging_peer(R, H, timeout_s, **kw):
+def lagging_peer(R, H, timeout_s, kernel="peer", **kw):
     """K points with every rank, then a point where rank R - 1 never publishes: (rank 0's failure
     message or None, whether its residual is the stale-read result)."""
     Pm = load_kernels("peer")
     ex = Pm.PeerExchange.group(R, 4, H, DEV, timeout_s=timeout_s)
     wt = torch.ones(H, dtype=torch.bfloat16, device=DEV)
+    o = torch.empty(4, H, dtype=torch.bfloat16, device=DEV)
+
+    def point(n, ranks, publish_only=()):
+        inputs, parts = point_inputs(kernel, R, 4, H, 7 + n)
+        for q in publish_only:
+            stage(Pm, ex[q], parts[q], n)
+        res = torch.zeros(4, H, dtype=torch.bfloat16, device=DEV)
+        for q in ranks:
+            res = torch.zeros(4, H, dtype=torch.bfloat16, device=DEV)
+            launch_point(kernel, inputs[q], res, wt, o, None, ex[q], "add_norm", max_polls=2, **kw)
+        return parts, res
+
     history = []
     for n in range(Pm.K_SLOTS):
-        parts = parts_for(R, 4, H, 7 + n)
-        history.append(parts)
-        for q in range(R):
-            stage(Pm, ex[q], parts[q], n)
-        for q in range(R):
-            Pm.peer_add_rmsnorm(parts[q], torch.zeros(4, H, dtype=torch.bfloat16, device=DEV), wt, EPS, ex[q],
-                                max_polls=2, **kw)
+        history.append(point(n, range(R), publish_only=range(R))[0])
     assert all(x.failure() is None for x in ex)
-    new = parts_for(R, 4, H, 99)
-    for q in range(1, R - 1):   # the other peers publish point K
-        stage(Pm, ex[q], new[q], Pm.K_SLOTS)
-    res = torch.zeros(4, H, dtype=torch.bfloat16, device=DEV)
-    Pm.peer_add_rmsnorm(new[0], res, wt, EPS, ex[0], max_polls=2, **kw)     # rank R - 1 lags: never publishes
+    # point K: the other peers publish, rank 0 runs, rank R - 1 lags (never publishes)
+    new, res = point(Pm.K_SLOTS, [0], publish_only=range(1, R - 1))
     stale = [new[q] for q in range(R - 1)] + [history[0][R - 1]]          # its slot's old data, K points back
     r_stale, xs = Pm.peer_add_rmsnorm_reference(stale, torch.zeros_like(res))
     return ex[0].failure(), close(res, r_stale, HAS_CUDA, xs), ex[0]
@@ -139,36 +184,42 @@ def lagging_peer(R, H, timeout_s, **kw):
 
 # the kernel's forms that change what it computes or when it polls (the fence forms order the same
 # accesses: one GPU cannot tell them apart, but the concurrent ranks run them)
-FORMS = {"default": {}, "one_reduce": {"one_reduce": True}, "two_reduce": {"one_reduce": False}}
+# (lag1: the re-arm one point back, with the acquire fence it then needs)
+FORMS = {"default": {}, "two_reduce": {"one_reduce": False}, "lag1": {"rearm_lag": 1, "fence": "sys_acq"}}
+# (kernel, form): the exchange's own kernel in every form; the MoE reduce in those it has
+CASES = [("peer", f) for f in FORMS] + [("moe_reduce", "default"), ("moe_reduce", "lag1")]
+IDS = [f"{k}-{f}" for k, f in CASES]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kernel,form", CASES, ids=IDS)
 @pytest.mark.parametrize("R,H", [(2, 6144), (4, 6144), (8, 6144), (3, 256)])
-def test_gpu_staged_matches_all_reduce_then_norm(R, H, form):
-    assert run_staged(R, H, [8, 1, 6, 8, 4, 8, 5], seed=R * H, exact=True, **FORMS[form]) == []
+def test_gpu_staged_matches_all_reduce_then_norm(R, H, kernel, form):
+    assert run_staged(R, H, [8, 1, 6, 8, 4, 8, 5], seed=R * H, exact=True, kernel=kernel, **FORMS[form]) == []
 
 
 @cpu_only
-@pytest.mark.parametrize("form", ["one_reduce", "two_reduce"])
+@pytest.mark.parametrize("kernel,form", CASES, ids=IDS)
 @pytest.mark.parametrize("R", [2, 3])
-def test_interp_staged_matches_all_reduce_then_norm(R, form):
-    assert run_staged(R, 256, [4, 1, 3, 4, 2, 4], seed=R, exact=False, **FORMS[form]) == []
+def test_interp_staged_matches_all_reduce_then_norm(R, kernel, form):
+    assert run_staged(R, 256, [4, 1, 3, 4, 2, 4], seed=R, exact=False, kernel=kernel, **FORMS[form]) == []
 
 
-def _no_rearm_caught(H, exact):
-    problems = run_staged(2, H, [4, 2, 4], seed=5, exact=exact, _no_rearm=True)
+def _no_rearm_caught(H, exact, kernel):
+    problems = run_staged(2, H, [4, 2, 4], seed=5, exact=exact, kernel=kernel, _no_rearm=True)
     return any("re-armed" in p for p in problems)
 
 
 @pytest.mark.gpu
-def test_gpu_no_rearm_control_fails_the_check():
-    assert _no_rearm_caught(6144, exact=True)
+@pytest.mark.parametrize("kernel", ["peer", "moe_reduce"])
+def test_gpu_no_rearm_control_fails_the_check(kernel):
+    assert _no_rearm_caught(6144, exact=True, kernel=kernel)
 
 
 @cpu_only
-def test_interp_no_rearm_control_fails_the_check():
-    assert _no_rearm_caught(256, exact=False)
+@pytest.mark.parametrize("kernel", ["peer", "moe_reduce"])
+def test_interp_no_rearm_control_fails_the_check(kernel):
+    assert _no_rearm_caught(256, exact=False, kernel=kernel)
 
 
 def _lagging_checks(H, timeout_s, **kw):
@@ -184,27 +235,30 @@ def _lagging_checks(H, timeout_s, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["one_reduce", "two_reduce"])
-def test_gpu_lagging_peer_is_reported_not_read_stale(form):
-    _lagging_checks(6144, timeout_s=0.02, **FORMS[form])
+@pytest.mark.parametrize("kernel,form", CASES, ids=IDS)
+def test_gpu_lagging_peer_is_reported_not_read_stale(kernel, form):
+    _lagging_checks(6144, timeout_s=0.02, kernel=kernel, **FORMS[form])
 
 
 @cpu_only
-@pytest.mark.parametrize("form", ["one_reduce", "two_reduce"])
-def test_interp_lagging_peer_is_reported_not_read_stale(form):
-    _lagging_checks(256, timeout_s=1.0, **FORMS[form])
+@pytest.mark.parametrize("kernel,form", CASES, ids=IDS)
+def test_interp_lagging_peer_is_reported_not_read_stale(kernel, form):
+    _lagging_checks(256, timeout_s=1.0, kernel=kernel, **FORMS[form])
 
 
-def run_concurrent(R, H, points, sleep_cycles, **kw):
-    """Each rank on its own stream; before each point one rank (rotating) sleeps on the device.
-    Returns (mismatches against the expected results, failures)."""
+def run_concurrent(R, H, points, sleep_cycles, kernels=("peer",), **kw):
+    """Each rank on its own stream; before each point one rank (rotating) sleeps on the device. Point
+    n runs ``kernels[n % len(kernels)]`` (as a pass alternates the exchange's kernel after the
+    attention and the MoE reduce's after the MoE, on one sequence). Returns (mismatches against the
+    expected results, failures)."""
     Nm, Pm = load_kernels("norm"), load_kernels("peer")
     ex = Pm.PeerExchange.group(R, 8, H, DEV, timeout_s=2.0)
     g = torch.Generator().manual_seed(R)
     res0 = (torch.randn(8, H, generator=g) * 4).to(torch.bfloat16).to(DEV)
     wt = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEV)
     rows = [(1 + (n * 5) % 8) for n in range(points)]
-    parts = [parts_for(R, rows[n], H, 1000 + n) for n in range(points)]
+    kind = [kernels[n % len(kernels)] for n in range(points)]
+    inputs, parts = zip(*[point_inputs(kind[n], R, rows[n], H, 1000 + n) for n in range(points)])
     want, r = [], res0.clone()
     for n in range(points):       # the residual carries from point to point, as in a pass
         T = rows[n]
@@ -213,15 +267,18 @@ def run_concurrent(R, H, points, sleep_cycles, **kw):
         want.append((rt.clone(), o))
     streams = [torch.cuda.Stream(DEV) for _ in range(R)]
     res = [res0.clone() for _ in range(R)]
+    cnts = [torch.zeros(8, dtype=torch.int32, device=DEV) for _ in range(R)]
     # Nothing in the launch loop may wait for the device, or a rank's kernel spins for a peer whose launch
     # is behind that wait on this host thread: the outputs are allocated first, and every kernel the loop
-    # launches has been loaded once (a module load waits for the device to idle). The peer kernel: one
-    # binary for every rank and row count (do_not_specialize), loaded by a staged point on another exchange.
+    # launches has been loaded once (a module load waits for the device to idle). The exchange's kernels:
+    # one binary for every rank (and row count: do_not_specialize), loaded by staged points on another exchange.
     warm = Pm.PeerExchange.group(R, 8, H, DEV)
-    for q in range(R):
-        stage(Pm, warm[q], parts[0][q], 0)
-    for q in range(R):
-        Pm.peer_add_rmsnorm(parts[0][q], res0[:rows[0]].clone(), wt, EPS, warm[q])
+    for n in range(len(kernels)):
+        for q in range(R):
+            stage(Pm, warm[q], parts[n][q], n)
+        for q in range(R):
+            launch_point(kind[n], inputs[n][q], res0[:rows[n]].clone(), wt, torch.empty_like(res0[:rows[n]]),
+                         None, warm[q], "add_norm", cnt=cnts[q], **kw)
     torch.cuda._sleep(1)
     outs = [[(torch.empty(rows[n], H, dtype=torch.bfloat16, device=DEV),
               torch.empty(rows[n], H, dtype=torch.bfloat16, device=DEV)) for n in range(points)] for _ in range(R)]
@@ -232,7 +289,8 @@ def run_concurrent(R, H, points, sleep_cycles, **kw):
                 if q == n % R:
                     torch.cuda._sleep(sleep_cycles)
                 T = rows[n]
-                Pm.peer_add_rmsnorm(parts[n][q], res[q][:T], wt, EPS, ex[q], out=outs[q][n][0], **kw)
+                launch_point(kind[n], inputs[n][q], res[q][:T], wt, outs[q][n][0], None, ex[q], "add_norm",
+                             cnt=cnts[q], **kw)
                 outs[q][n][1].copy_(res[q][:T])
     torch.cuda.synchronize(DEV)
     bad = sum(not (torch.equal(outs[q][n][0], want[n][1]) and torch.equal(outs[q][n][1], want[n][0]))
@@ -240,19 +298,32 @@ def run_concurrent(R, H, points, sleep_cycles, **kw):
     return bad, [x.failure() for x in ex if x.failure()]
 
 
-CONCURRENT_FORMS = {**FORMS, "fence_sys_one": {"fence": "sys_one"}, "fence_gpu": {"fence": "gpu"}}
+CONCURRENT_FORMS = {**FORMS, "fence_sys": {"fence": "sys"}, "fence_sys_one": {"fence": "sys_one"}}
+# (the MoE reduce's grid is rows x H / 256 programs a rank, all spinning on one GPU here: at a width of
+# 1,024 every rank's programs are resident together; on separate GPUs each rank has its own)
+MIXED = {"default": {}, "lag1": FORMS["lag1"], "fence_sys": {"fence": "sys"}}
+
+
+def _concurrent_checks(R, H, kernels, kw):
+    bad, failed = run_concurrent(R, H, 48, sleep_cycles=1_000_000, kernels=kernels, **kw)
+    assert failed == [] and bad == 0, (bad, failed)
+    # negative control: without the re-arm, the ranks that run ahead read the sleeper's stale rows
+    bad, failed = run_concurrent(R, H, 48, sleep_cycles=1_000_000, kernels=kernels, _no_rearm=True, **kw)
+    assert bad > 0 and failed == [], (bad, failed)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", CONCURRENT_FORMS)
 @pytest.mark.parametrize("R", [2, 4])
 def test_gpu_concurrent_ranks_match(R, form):
-    kw = CONCURRENT_FORMS[form]
-    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000, **kw)
-    assert failed == [] and bad == 0, (bad, failed)
-    # negative control: without the re-arm, the ranks that run ahead read the sleeper's stale rows
-    bad, failed = run_concurrent(R, 6144, 48, sleep_cycles=1_000_000, _no_rearm=True, **kw)
-    assert bad > 0 and failed == [], (bad, failed)
+    _concurrent_checks(R, 6144, ("peer",), CONCURRENT_FORMS[form])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", MIXED)
+@pytest.mark.parametrize("R", [2, 4])
+def test_gpu_concurrent_ranks_match_with_the_moe_reduce(R, form):
+    _concurrent_checks(R, 1024, ("peer", "moe_reduce"), MIXED[form])
 
 
 def test_exchange_shape_errors():
