@@ -118,6 +118,11 @@ def _rank_main(rank: int, port: int, out_dir: str, spec: dict):
             out["points"] = int(fast.model._xchg.state[0])
             fast.model.check_peers()
         torch.save(out, os.path.join(out_dir, f"r{rank}.pt"))
+    except BaseException:   # (written first: the other rank's failure may end this process before it reports)
+        import traceback
+        with open(os.path.join(out_dir, f"r{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -133,7 +138,11 @@ def single_rank(spec):
 
 
 def run_tp2(tmp_path, spec):
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), spec), nprocs=2, join=True)
+    try:
+        mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), spec), nprocs=2, join=True)
+    except Exception as e:   # every rank's own error, not only the first to reach the parent
+        errs = {p.name: p.read_text() for p in sorted(tmp_path.glob("r*.err"))}
+        raise AssertionError(f"a rank failed: {e}\nthe ranks' own errors: {errs or 'none written'}") from e
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
     one = single_rank(spec)
     # the precondition: both runs verify the same rows (the FP32 prefills picked the same tokens)

@@ -579,7 +579,7 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
                        PEER: tl.constexpr = False, ROWS: tl.constexpr = 8, K: tl.constexpr = 4, R: tl.constexpr = 1,
                        ON_GPU: tl.constexpr = False, MAX_POLLS: tl.constexpr = 1, LAG: tl.constexpr = 2,
                        ACQ: tl.constexpr = 0, REL: tl.constexpr = 0, FENCE_ONE: tl.constexpr = False,
-                       NO_REARM: tl.constexpr = False):
+                       NO_REARM: tl.constexpr = False, NT: tl.constexpr = 512):
     # It does not release the next kernel early (session 14, call 6: the chain of early launches then
     # reached the next layer's attention while the Down ran, and the step was 4 % slower).
     if NORM:
@@ -608,7 +608,7 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
             tl.store(own + off + offs, m, mask=ok)     # publish
             mf = m.to(tl.float32)
             acc, nan = _gather(PTRS, off, offs, ok, mf, RANK, R)
-            acc, nan = _poll(PTRS, off, offs, ok, mf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS)
+            acc, nan = _poll(PTRS, off, offs, ok, mf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS, NT)
             if ON_GPU:
                 _fence(ACQ, FENCE_ONE)
             _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, mf, RANK, R, r, tl.num_programs(0), ROWS, H,
@@ -938,8 +938,11 @@ def _launch_reduce(y, tw, out, *, pdl=False, block_h=None, norm=None, norm_bug=F
         xchg, popts = peer
         check(norm is not None and H == xchg.width and w <= xchg.rows and xchg.own.device == y.device,
               f"peer: with norm, out [w <= {xchg.rows}, {xchg.width}] (the exchange's shape), one device")
+        # (one column per thread at least: a column held by two threads could be read twice while its
+        # data lands, and the two could differ)
+        block_h = max(block_h, 32 * RED_NORM_NUM_WARPS)
         xargs, xconst = _peer_launch(xchg, y.device, **popts)
-        xconst["PEER"] = True
+        xconst.update(PEER=True, NT=32 * RED_NORM_NUM_WARPS)
     _moe_reduce_kernel[(w, triton.cdiv(H, block_h))](
         y, tw, out, res, wt, cnt, y.stride(0), tw.stride(0), out.stride(0), res.stride(0), float(eps), *xargs,
         H=H, TOPK=tw.shape[1], BLOCK_H=block_h, PDL=pdl, NORM=norm is not None, BLOCK_ROW=next_pow2(H),

@@ -39,6 +39,12 @@ PDL = True
 WEIGHT_FIRST = True
 
 
+def num_warps(block_h: int) -> int:
+    """Warps per row program at a row width of ``block_h`` (a power of two): the layout of the sum of
+    squares, which every kernel that must give this module's bits shares (peer.py)."""
+    return NUM_WARPS if block_h >= 4096 else 4
+
+
 def resolve_weight_first(flag) -> bool:
     """A launch's ``weight_first`` keyword resolved (None: WEIGHT_FIRST)."""
     return WEIGHT_FIRST if flag is None else bool(flag)
@@ -137,7 +143,7 @@ def fused_add_rmsnorm(x, residual, weight, eps, out=None, *, out16=None, pdl=Non
         out16.stride(0) if has16 else 0, float(eps), 0, 1,
         H=H, BLOCK_H=block_h, NORM_BUG=_norm_bug, HAS16=has16, ROUND16_BUG=bool(_round16_bug), PDL=use_pdl,
         WEIGHT_FIRST=resolve_weight_first(weight_first),
-        num_warps=NUM_WARPS if block_h >= 4096 else 4, **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=num_warps(block_h), **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 
@@ -176,7 +182,7 @@ def rmsnorm(x, weight, eps, out=None, *, x_out=None, ids=None, vocab_start=0, vo
         x, res, weight, out, out, ids if gather else x, x.stride(0), res.stride(0), out.stride(0), 0, float(eps),
         int(vocab_start), vocab_size,
         H=H, BLOCK_H=block_h, NORM_BUG=False, HAS16=False, PDL=use_pdl, LOAD_RES=bool(_stale_bug),
-        STORE_RES=x_out is not None, GATHER=gather, num_warps=NUM_WARPS if block_h >= 4096 else 4,
+        STORE_RES=x_out is not None, GATHER=gather, num_warps=num_warps(block_h),
         WEIGHT_FIRST=resolve_weight_first(weight_first),
         **({"launch_pdl": True} if use_pdl else {}),
     )

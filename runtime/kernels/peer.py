@@ -60,16 +60,13 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import check, compiled_cuda, launch_signature, next_pow2, pdl_supported
-from .norm import NUM_WARPS, resolve_weight_first, rms_scale
+from .norm import num_warps, resolve_weight_first, rms_scale
 
 K_SLOTS = 4          # slots per rank's buffer (>= the re-arm's lag + 2, a power of two: see the module docstring)
 PDL = True
-# warps per program below 4,096 wide (the test widths; at 256 wide and 8 ranks, 4 and 8 warps kept an 8 B
-# stack frame in some forms)
-NUM_WARPS_SMALL = 2
 TIMEOUT_S = 10.0     # the bound on one read of a peer's row (ranks' hosts may launch seconds apart)
 INTERPRET_POLLS = 4  # the bound under the Triton interpreter (programs run one after another there)
 # The state (int32): the sequence number once per row of the exchange (state[0:rows]: program p reads
@@ -155,19 +152,32 @@ def _gather(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
 
 
 @triton.jit
+def _elapsed_ns(t0, NT: tl.constexpr):
+    """Nanoseconds since ``t0`` by the GPU's global timer, the same value in every thread of the
+    program (NT: its threads). Each thread reads the timer itself and the readings differ: a loop that
+    each thread left by its own reading would leave some threads behind at the gather's barriers. The
+    readings' maximum (one per thread, a reduction over the program) is one value for all."""
+    now = tl.inline_asm_elementwise("{ .reg .b32 z; and.b32 z, $1, 0; mov.u64 $0, %globaltimer; }", "=l,r",
+                                    [tl.arange(0, NT)], dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(now, 0) - t0
+
+
+@triton.jit
 def _poll(PTRS, off, offs, ok, x, RANK, R: tl.constexpr, acc, nan, timeout_ns, ON_GPU: tl.constexpr,
-          MAX_POLLS: tl.constexpr):
-    """(acc, nan) of ``_gather`` once no element is NaN, or once the bound has passed (nan > 0 then)."""
+          MAX_POLLS: tl.constexpr, NT: tl.constexpr):
+    """(acc, nan) of ``_gather`` once no element is NaN, or once the bound has passed (nan > 0 then).
+    The program's layout of ``offs`` must hold each element in one thread only: a copy in a second
+    thread could load another value than the one counted."""
     if nan > 0:   # a peer has not published yet: poll every rank's row again until the bound passes
         if ON_GPU:
-            t0 = globaltimer()
+            t0 = _elapsed_ns(0, NT)
         polls = 0
         late = 0
         while (nan > 0) & (late == 0):
             acc, nan = _gather(PTRS, off, offs, ok, x, RANK, R)
             polls += 1
             if ON_GPU:
-                late = (globaltimer() - t0 > timeout_ns).to(tl.int32)
+                late = (_elapsed_ns(t0, NT) > timeout_ns).to(tl.int32)
             else:
                 late = (polls >= MAX_POLLS).to(tl.int32)
     return acc, nan
@@ -223,7 +233,7 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
                              NO_REARM: tl.constexpr, ADD: tl.constexpr = True, NORM: tl.constexpr = True,
                              ACQ: tl.constexpr = 2, REL: tl.constexpr = 2, FENCE_ONE: tl.constexpr = False,
                              ONE_REDUCE: tl.constexpr = False, SEQ_FIRST: tl.constexpr = False,
-                             LAG: tl.constexpr = 2):
+                             LAG: tl.constexpr = 2, NT: tl.constexpr = 512):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -251,11 +261,11 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
         r, ss = _residual(acc, res, ADD, RES.dtype.element_ty)
         if ss != ss:   # a NaN: a peer's row not yet published (or a NaN in the data; the count tells)
             acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
-            acc, nan = _poll(PTRS, off, offs, ok, xf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS)
+            acc, nan = _poll(PTRS, off, offs, ok, xf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS, NT)
             r, ss = _residual(acc, res, ADD, RES.dtype.element_ty)
     else:
         acc, nan = _gather(PTRS, off, offs, ok, xf, RANK, R)
-        acc, nan = _poll(PTRS, off, offs, ok, xf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS)
+        acc, nan = _poll(PTRS, off, offs, ok, xf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS, NT)
         r, ss = _residual(acc, res, ADD, RES.dtype.element_ty)
     if ON_GPU:
         _fence(ACQ, FENCE_ONE)   # (a fence form's acquire: the gather before the re-arm)
@@ -396,7 +406,7 @@ def peer_add_rmsnorm(x, residual, weight, eps, xchg: PeerExchange, out=None, *, 
         H=H, BLOCK_H=block_h, HAS16=has16, PDL=use_pdl, WEIGHT_FIRST=resolve_weight_first(weight_first) and bool(norm),
         ADD=bool(add), NORM=bool(norm), **xconst,
         ONE_REDUCE=ONE_REDUCE if one_reduce is None else bool(one_reduce), SEQ_FIRST=bool(_seq_first),
-        num_warps=NUM_WARPS if block_h >= 4096 else NUM_WARPS_SMALL,
+        num_warps=num_warps(block_h), NT=32 * num_warps(block_h),   # fused_add_rmsnorm's warps (the same bits)
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out if norm else residual

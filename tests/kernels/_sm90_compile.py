@@ -29,6 +29,17 @@ def _fp64_trig(name, kw):
     return name == "_rope_tables_kernel" or (name == "_rope_kv_kernel" and bool(kw.get("ANGLES")))
 
 
+# The exchange's kernels at the test models' widths (below 4,096: q1-tiny's 256) keep an 8 B stack frame
+# in a few forms, with no local memory and 40 registers or fewer: a frame, not spilled registers. At
+# q1's width (6,144) none is allowed.
+EXCHANGE_SMALL_STACK = 8
+
+
+def _exchange_small(name, kw):
+    return ((name == "_peer_add_rmsnorm_kernel" or (name == "_moe_reduce_kernel" and kw.get("PEER")))
+            and kw["H"] < 4096)
+
+
 class _Sm90Driver:
     def get_current_device(self):
         return 0
@@ -357,7 +368,8 @@ def main():
                 problems.append(f"{name} {grid}: no resource report")
             else:
                 regs, stack, local = (int(v) for v in m.groups())
-                allowed = TRIG_STACK if _fp64_trig(name, kw) else 0
+                allowed = (TRIG_STACK if _fp64_trig(name, kw) else
+                           EXCHANGE_SMALL_STACK if _exchange_small(name, kw) else 0)
                 if stack > allowed or local:
                     problems.append(f"{name} {grid}: stack {stack} B, local {local} B")
         if shared > SMEM_LIMIT:

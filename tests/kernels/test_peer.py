@@ -293,8 +293,15 @@ def run_concurrent(R, H, points, sleep_cycles, kernels=("peer",), **kw):
                              cnt=cnts[q], **kw)
                 outs[q][n][1].copy_(res[q][:T])
     torch.cuda.synchronize(DEV)
-    bad = sum(not (torch.equal(outs[q][n][0], want[n][1]) and torch.equal(outs[q][n][1], want[n][0]))
-              for q in range(R) for n in range(points))
+
+    def ok(q, n):   # the residual bit for bit; the output too, but within a BF16 step after the MoE
+        (o, r), (r_want, o_want) = outs[q][n], want[n]   # reduce (its norm's sum of squares in 16 warps'
+        if kind[n] == "peer":                            # layout, fused_add_rmsnorm's in 4 below 4,096 wide)
+            return torch.equal(r, r_want) and torch.equal(o, o_want)
+        step = o_want.float().abs() * 2.0 ** -7 + 1e-30
+        return torch.equal(r, r_want) and bool(((o.float() - o_want.float()).abs() <= step).all())
+
+    bad = sum(not ok(q, n) for q in range(R) for n in range(points))
     return bad, [x.failure() for x in ex if x.failure()]
 
 
