@@ -554,16 +554,15 @@ AB_VARIANTS = {
     # peer_paths: what the exchange's kernel costs beside the plain add + norm, traffic between GPUs
     # excluded (emulation); against the default, what a real rank's step pays less that traffic
     "peer_fused": lambda rnd: _peer_fused(rnd),
-    # the same with the exchange's fences at GPU scope / none (peer.FENCE is "sys", the PTX memory model's
-    # scope between GPUs): what the fences cost
+    # the same with fences around the exchange (peer.FENCE is "none": the re-arm two points back needs
+    # none; see peer._FENCES for the forms): what they would cost
     **{f"peer_fused_fence_{f}": (lambda rnd, f=f: _peer_fused(rnd, fence=f))
-       for f in ("gpu", "none", "sys_acq", "sys_rel", "sys_one", "gpu_one")},
-    # the exchange's fast path with one reduction / two (peer.ONE_REDUCE), and the sequence number read
-    # before the wait (measurement only: see peer_add_rmsnorm's _seq_first)
-    "peer_fused_one_reduce": lambda rnd: _peer_fused(rnd, one_reduce=True),
+       for f in ("sys", "gpu", "sys_acq", "sys_rel", "sys_one", "gpu_one")},
+    # the exchange's fast path with two reductions (peer.ONE_REDUCE is True), and the sequence number read
+    # before the wait (measurement only: see peer_add_rmsnorm's _seq_first). Session 50 call 1 ran these
+    # names (and _fence_none, _one_reduce, _floor) against session 49's defaults: fence sys, two reductions
     "peer_fused_two_reduce": lambda rnd: _peer_fused(rnd, one_reduce=False),
     "peer_fused_seq_first": lambda rnd: _peer_fused(rnd, _seq_first=True),
-    "peer_fused_floor": lambda rnd: _peer_fused(rnd, one_reduce=True, fence="none", _seq_first=True),
     # the exchange as session 49 left it: the re-arm one point back with system-scope fences, two
     # reductions, the MoE's all-reduce in the exchange's own kernel after the reduce
     "peer_fused_s49": lambda rnd: (_peer_fused(rnd, fence="sys", rearm_lag=1, one_reduce=False),

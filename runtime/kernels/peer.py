@@ -231,8 +231,8 @@ def _peer_add_rmsnorm_kernel(X, RES, WT, OUT, OUT16, PTRS, STATE, T, RANK, strid
                              K: tl.constexpr, R: tl.constexpr, HAS16: tl.constexpr, PDL: tl.constexpr,
                              WEIGHT_FIRST: tl.constexpr, ON_GPU: tl.constexpr, MAX_POLLS: tl.constexpr,
                              NO_REARM: tl.constexpr, ADD: tl.constexpr = True, NORM: tl.constexpr = True,
-                             ACQ: tl.constexpr = 2, REL: tl.constexpr = 2, FENCE_ONE: tl.constexpr = False,
-                             ONE_REDUCE: tl.constexpr = False, SEQ_FIRST: tl.constexpr = False,
+                             ACQ: tl.constexpr = 0, REL: tl.constexpr = 0, FENCE_ONE: tl.constexpr = False,
+                             ONE_REDUCE: tl.constexpr = True, SEQ_FIRST: tl.constexpr = False,
                              LAG: tl.constexpr = 2, NT: tl.constexpr = 512):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
