@@ -139,9 +139,9 @@ def single_rank(spec):
 
 
 def run_tp2(tmp_path, spec):
-    # The ranks share the GPU with this process: what its allocator holds from an earlier test's single-rank
-    # FP32 reference (q1's: tens of GB) is given back first (session 49 call 1 and session 50 call 2: the
-    # fused q1 test, run after the comm one, lost a rank during its reference prefill)
+    # The ranks share the GPU with this process: what its allocator still holds from an earlier test's
+    # single-rank FP32 reference is given back first (session 49 call 1 and session 50 call 2: the fused q1
+    # test, run after the comm one, lost a rank during its reference prefill; with this, call 3 passed)
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
