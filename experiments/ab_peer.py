@@ -46,7 +46,6 @@ CONFIGS = {
     "fence_sys_rel": (None, dict(fence="sys_rel")),
     "fence_sys_one": (None, dict(fence="sys_one")),
     "fence_gpu_one": (None, dict(fence="gpu_one")),
-    "one_reduce": (None, dict(one_reduce=True)),
     "two_reduce": (None, dict(one_reduce=False)),
     "no_rearm": (None, dict(_no_rearm=True)),
     "seq_first": (None, dict(_seq_first=True)),

@@ -89,11 +89,16 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_moe_reduce_kernel", "SYS_FENCE", "fence.acq_rel.sys")]
 
 
+def _exchange_fence(scope):
+    """Whether a launch of the exchange's code (the exchange's kernel; the MoE reduce with PEER) puts a
+    fence of ``scope`` (1: GPU, 2: system) into its PTX."""
+    return lambda kw: bool(kw.get("ON_GPU")) and bool(kw.get("PEER", True)) and scope in (kw.get("ACQ"), kw.get("REL"))
+
+
 # Keys of PTX_MARKS computed from a launch's constexprs: (kernel, key) -> function of them
-DERIVED = {("_peer_add_rmsnorm_kernel", "SYS_FENCE"): lambda kw: bool(kw["ON_GPU"]) and 2 in (kw["ACQ"], kw["REL"]),
-           ("_peer_add_rmsnorm_kernel", "GPU_FENCE"): lambda kw: bool(kw["ON_GPU"]) and 1 in (kw["ACQ"], kw["REL"]),
-           ("_moe_reduce_kernel", "SYS_FENCE"):
-               lambda kw: bool(kw.get("PEER")) and bool(kw.get("ON_GPU")) and 2 in (kw.get("ACQ"), kw.get("REL"))}
+DERIVED = {("_peer_add_rmsnorm_kernel", "SYS_FENCE"): _exchange_fence(2),
+           ("_peer_add_rmsnorm_kernel", "GPU_FENCE"): _exchange_fence(1),
+           ("_moe_reduce_kernel", "SYS_FENCE"): _exchange_fence(2)}
 
 
 # Keywords that put weight loads before griddepcontrol.wait (and without which no global load precedes
