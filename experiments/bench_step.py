@@ -566,11 +566,14 @@ AB_VARIANTS = {
     # the exchange as session 49 left it: the re-arm one point back with system-scope fences, two
     # reductions, the MoE's all-reduce in the exchange's own kernel after the reduce
     "peer_fused_s49": lambda rnd: (_peer_fused(rnd, fence="sys", rearm_lag=1, one_reduce=False),
-                                   _model_variant(rnd, peer_moe_reduce=False)),
+                                   _model_variant(rnd, peer_moe_reduce=False, peer_o_proj=False)),
     # the re-arm one point back with the acquire fence it needs (rearm_lag=1, fence="sys_acq")
     "peer_fused_lag1": lambda rnd: _peer_fused(rnd, fence="sys_acq", rearm_lag=1),
     # the MoE reduce writing the rank's partial sum, all-reduced by the exchange's own kernel after it
     "peer_fused_reduce_apart": lambda rnd: (_peer_fused(rnd), _model_variant(rnd, peer_moe_reduce=False)),
+    # the output projection writing the rank's partial sum, all-reduced with the add + norm by the
+    # exchange's own kernel after it, and the routing rounded (the default's way before session 51)
+    "peer_fused_o_apart": lambda rnd: (_peer_fused(rnd), _model_variant(rnd, peer_o_proj=False)),
     # the sampling of a rank-emulated step in one stage: the rank's own top k drawn from directly, no
     # second stage over the (here one rank's) gathered candidates (the emulated step's way before session
     # 48; since, FastModel._sample_fast runs both stages under any TP, as a real rank must)

@@ -53,7 +53,10 @@ Tensor parallelism: with peers, the all-reduces come between the projections and
 fusions above that join them are single-rank ones). ``tp.fused_allreduce`` (:meth:`FastModel.use_peer_exchange`)
 moves every all-reduce that a norm follows into that norm's kernel (``runtime/kernels/peer.py``): the
 ranks read each other's partial sums from NaN-armed buffers; the embedding rows' (the residual's start)
-and a pass's last MoE's (the add alone) too.
+and a pass's last MoE's (the add alone) too. The one after the MoE runs inside the MoE reduce
+(``peer_moe_reduce``) and the one after the attention inside the output projection's epilogue
+(``peer_o_proj``), so the single-rank fusions around them (the norm in the reduce; the add in the
+projection, the norm and the folded routing in the router) apply with peers too.
 
 Launches: the kernels of a decode pass are programmatic dependents (sm_90+): each launches while the
 one before it runs and waits (griddepcontrol.wait) before reading that kernel's output. A kernel that
@@ -279,6 +282,12 @@ class FastModel(Model):
         # add + RMSNorm (one launch fewer per layer, the same bits). False: the reduce writes the
         # rank's partial sum and peer_add_rmsnorm all-reduces it (bench_step.py --ab peer_fused_reduce_apart)
         self.peer_moe_reduce = True
+        # With the fused all-reduce: the all-reduce after the attention inside the output projection's
+        # epilogue (skinny_linear(peer=)), which then adds to the residual and writes the sums of squares
+        # (and the folded routing's partials) as on one rank: the pre-MoE norm moves into the router, and
+        # the exchange's own kernel after the attention goes. False: the projection writes the rank's partial
+        # sum and peer_add_rmsnorm all-reduces it (bench_step.py --ab peer_fused_o_apart)
+        self.peer_o_proj = True
         self._pred_ids: dict[int, torch.Tensor] = {}
         self._side_stream = None
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
@@ -322,7 +331,8 @@ class FastModel(Model):
                    or _linear.unsupported(cfg.hidden_size, nq))
             if why:
                 raise ConfigError(f"kernels.linear=fast: {why}; set kernels.linear=reference")
-        self._linear_counter = torch.zeros(n_max // 16, dtype=torch.int32, device=dev)
+        # (one more: skinny_linear(peer=)'s arrivals of its column blocks)
+        self._linear_counter = torch.zeros(n_max // 16 + 1, dtype=torch.int32, device=dev)
 
     def _has_peers(self) -> bool:
         """Other ranks exist whose data this rank's result needs (real tensor parallelism; under rank
@@ -452,11 +462,18 @@ class FastModel(Model):
         """x @ w^T (BF16): skinny_linear with kernels.linear=fast, torch matmul otherwise.
         ``partials``: skinny_linear's split-K partials (FP32 [S, R, N]) where it splits K.
         ``residual`` = (r, ssq) (fast only): r += x @ w^T and its per-block sums of squares instead;
-        ``fold`` = (router, norm weight, pl): also the router-logit partials (kernels.routing=folded)."""
+        ``fold`` = (router, norm weight, pl): also the router-logit partials (kernels.routing=folded).
+        With ``residual`` and the fused all-reduce, x @ w^T is all-reduced over the exchange first."""
         if self.kernels.linear == "reference":
             return x @ w.T
         return _linear.skinny_linear(x, w, counter=self._linear_counter, partials=partials, residual=residual,
-                                     fold=fold)
+                                     fold=fold, peer=self._exchange_peer() if residual is not None else None)
+
+    def _exchange_peer(self) -> tuple | None:
+        """A kernel's ``peer=`` for the fused all-reduce inside it (the exchange, its keywords), or None."""
+        if self._xchg is None:
+            return None
+        return self._xchg, {k: v for k, v in self.peer_options.items() if k in _PEER_EXCHANGE_KEYS}
 
     def _proj_qkv(self, x: torch.Tensor, w: torch.Tensor) -> dict:
         """The fused Q/K/V projection as rope_kv_write's input: {"qkv": BF16 [T, N]}, or with
@@ -467,10 +484,12 @@ class FastModel(Model):
     def _router_norm_fusable(self, rows: int) -> bool:
         """Whether the pre-MoE add + RMSNorm may move into the output projection and the router
         (``fuse_router_norm``): fast attention, linear, norm and MoE kernels, the one-launch router,
-        and no peer whose partial sums the add must wait for."""
+        and no peer whose partial sums the add must wait for, or the fused all-reduce with
+        ``peer_o_proj`` (the projection all-reduces over the exchange itself)."""
         k = self.kernels
         return (self.fuse_router_norm and k.attention == k.linear == k.norm == k.moe == "fast"
-                and rows <= _router.BLOCK_T and not self._has_peers())
+                and rows <= _router.BLOCK_T
+                and (not self._has_peers() or (self._xchg is not None and self.peer_o_proj)))
 
     def _attention_fast(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
                         cache: KVCache, tab, residual: tuple | None = None, fold: tuple | None = None,
@@ -524,6 +543,8 @@ class FastModel(Model):
         # (with residual, out is r += o @ Wo^T: under rank emulation the all-reduce it stands in for is
         # counted on r, a tensor of the output's shape and dtype)
         out = self._proj(o.view(T, nh * d), lw.wo, residual=residual, fold=fold)
+        if residual is not None and self._xchg is not None:   # all-reduced in the projection's epilogue
+            return out
         return self.comm.all_reduce(out) if sh.tp_size > 1 and reduce else out
 
     def _moe_norm_fusable(self) -> bool:
@@ -547,7 +568,7 @@ class FastModel(Model):
         fused = None if norm is None else (norm[0], norm[1], self.cfg.rms_norm_eps, self._moe_norm_counter)
         peer = None
         if norm is not None and self._xchg is not None:   # the fused all-reduce inside the reduce
-            peer = (self._xchg, {k: v for k, v in self.peer_options.items() if k in _PEER_EXCHANGE_KEYS})
+            peer = self._exchange_peer()
             reduce = False
         y = _moe.fused_moe_fp8(h if h16 is None else h16, ids, weights, lw.w13, lw.s13, lw.w2, lw.s2,
                                _scale_bug=self.broken == "moe_scale_bug", norm=fused,

@@ -36,6 +36,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import (check, check_rows_by_weight, compiled_cuda, device_sm_count, launch_signature, next_pow2,
                       pdl_supported, prefetch_l2)
+from .peer import _base, _fence, _gather, _poll, _record_and_rearm
+from .peer import exchange_launch as _peer_launch
 
 BLOCK_M = 16        # rows, padded (the tensor-core product's M >= 16)
 BLOCK_K = 128       # K per loop step (the largest of 128, 64, 32, 16 that divides a slice)
@@ -102,7 +104,58 @@ def _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, NB, y_ty, BUG:
     tl.store(SSQ + offs_m * NB + pn, tl.sum(rf * rf, 1), mask=m_ok)
 
 
-@triton.jit(do_not_specialize=["M"], launch_metadata=launch_signature)
+@triton.jit
+def _exchange_tile(acc, offs_n, M, PTRS, STATE, RANK, timeout_ns, seq, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, ROWS: tl.constexpr, K: tl.constexpr, R: tl.constexpr, ON_GPU: tl.constexpr,
+                   MAX_POLLS: tl.constexpr, LAG: tl.constexpr, ACQ: tl.constexpr, FENCE_ONE: tl.constexpr,
+                   NO_REARM: tl.constexpr, NT: tl.constexpr):
+    """``peer=``: the all-reduce of this column block's rank partial ``acc`` (FP32 [BLOCK_M, BLOCK_N], rounded
+    to BF16 as the plain projection writes it) over the exchange (runtime/kernels/peer.py), at point
+    ``seq``: published into this rank's slot, every rank's block gathered and summed in rank order in FP32
+    (polled until ready or the bound), the failure record if any, and slot seq - LAG re-armed for every
+    row of the exchange in this block's columns. Returns the FP32 sum [BLOCK_M, BLOCK_N].
+    The tile goes through the exchange flat (BLOCK_M * BLOCK_N >= the program's threads: no element in two
+    threads, see peer._poll)."""
+    idx = tl.arange(0, BLOCK_M * BLOCK_N)
+    rows = idx // BLOCK_N
+    offs = rows * N + tl.program_id(0) * BLOCK_N + idx % BLOCK_N   # (row, column) in a slot of every buffer
+    ok = rows < M
+    off = (seq & (K - 1)) * (ROWS * N)
+    y = tl.reshape(acc.to(tl.bfloat16), [BLOCK_M * BLOCK_N])
+    own = _base(PTRS, RANK)
+    tl.store(own + off + offs, y, mask=ok)     # publish
+    yf = y.to(tl.float32)
+    tot, nan = _gather(PTRS, off, offs, ok, yf, RANK, R)
+    tot, nan = _poll(PTRS, off, offs, ok, yf, RANK, R, tot, nan, timeout_ns, ON_GPU, MAX_POLLS, NT)
+    if ON_GPU:
+        _fence(ACQ, FENCE_ONE)
+    # the failure record (the helper's re-arm is by row: this block's is below, every row of the slot)
+    _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, yf, RANK, R, 0, 1, ROWS, N, K, LAG, True)
+    if not NO_REARM:
+        arm = tl.full([BLOCK_N], float("nan"), tl.float32).to(tl.bfloat16)
+        prev = (seq + K - LAG) & (K - 1)
+        for rr in range(0, ROWS):
+            tl.store(own + (prev * ROWS + rr) * N + offs_n, arm)
+    return tl.reshape(tot, [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _exchange_done(CNT, STATE, seq, NB: tl.constexpr, ROWS: tl.constexpr, ON_GPU: tl.constexpr, REL: tl.constexpr,
+                   FENCE_ONE: tl.constexpr):
+    """``peer=``: the last of the NB column blocks to finish its exchange (a ticket on CNT[NB]) advances
+    every row's sequence number: every block has read it by then."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(CNT + NB, 1, sem="acq_rel", scope="gpu")
+    if ticket == NB - 1:
+        for rr in range(0, ROWS):
+            tl.store(STATE + rr, seq + 1)
+        tl.atomic_xchg(CNT + NB, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
+    if ON_GPU:
+        _fence(REL, FENCE_ONE)
+
+
+# (RANK not specialized: one binary for every rank, as the exchange's own kernel: runtime/kernels/peer.py)
+@triton.jit(do_not_specialize=["M", "RANK"], launch_metadata=launch_signature)
 def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                    N: tl.constexpr, K_SLICE: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -111,7 +164,11 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                    FINALIZE: tl.constexpr = True, RES=None, SSQ=None, stride_r=0,
                    RESID: tl.constexpr = False, RESID_BUG: tl.constexpr = False,
                    WR=None, WG=None, PL=None, stride_wr=0, E=0, E_POW2: tl.constexpr = 16,
-                   PL_ROWS: tl.constexpr = 16, FOLD: tl.constexpr = False, FOLD_BUG: tl.constexpr = False):
+                   PL_ROWS: tl.constexpr = 16, FOLD: tl.constexpr = False, FOLD_BUG: tl.constexpr = False,
+                   PTRS=None, STATE=None, RANK=0, timeout_ns=0, PEER: tl.constexpr = False, ROWS: tl.constexpr = 8,
+                   K: tl.constexpr = 4, R: tl.constexpr = 1, ON_GPU: tl.constexpr = False,
+                   MAX_POLLS: tl.constexpr = 1, LAG: tl.constexpr = 2, ACQ: tl.constexpr = 0, REL: tl.constexpr = 0,
+                   FENCE_ONE: tl.constexpr = False, NO_REARM: tl.constexpr = False, NT: tl.constexpr = 128):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,6 +190,9 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
+    seq = 0
+    if PEER:   # the exchange's sequence number (every row's the same between points; final after the wait)
+        seq = tl.load(STATE, volatile=True)
     if RESID:
         res_ptrs = RES + offs_m[:, None] * stride_r + offs_n[None, :]
         if SPLIT_K == 1:   # the residual block, in flight during the loop (its writer precedes the wait)
@@ -154,8 +214,13 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
     y_ptrs = Y + offs_m[:, None] * stride_y + offs_n[None, :]
     if SPLIT_K == 1:
         if RESID:
+            if PEER:   # the rank's partial block all-reduced first
+                acc = _exchange_tile(acc, offs_n, M, PTRS, STATE, RANK, timeout_ns, seq, N, BLOCK_M, BLOCK_N, ROWS, K,
+                                     R, ON_GPU, MAX_POLLS, LAG, ACQ, FENCE_ONE, NO_REARM, NT)
             _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, N // BLOCK_N, Y.dtype.element_ty,
                                RESID_BUG, FOLD, wr, wg, PL, E, E_POW2, PL_ROWS, FOLD_BUG)
+            if PEER:
+                _exchange_done(CNT, STATE, seq, N // BLOCK_N, ROWS, ON_GPU, REL, FENCE_ONE)
         else:
             tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
     else:
@@ -172,12 +237,17 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
             if RESID:
                 if FOLD:   # (only the last arriver needs them)
                     wr, wg = _fold_tiles(WR, WG, offs_n, stride_wr, E, E_POW2)
+                if PEER:   # the column block's sum all-reduced first
+                    tot = _exchange_tile(tot, offs_n, M, PTRS, STATE, RANK, timeout_ns, seq, N, BLOCK_M, BLOCK_N, ROWS,
+                                         K, R, ON_GPU, MAX_POLLS, LAG, ACQ, FENCE_ONE, NO_REARM, NT)
                 _residual_epilogue(tot, tl.load(res_ptrs, mask=m_ok[:, None], other=0.0), res_ptrs, SSQ, offs_m,
                                    m_ok, pn, N // BLOCK_N, Y.dtype.element_ty, RESID_BUG, FOLD, wr, wg, PL, E,
                                    E_POW2, PL_ROWS, FOLD_BUG)
             else:
                 tl.store(y_ptrs, tot.to(Y.dtype.element_ty), mask=m_ok[:, None])
             tl.atomic_xchg(CNT + pn, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
+            if PEER:
+                _exchange_done(CNT, STATE, seq, N // BLOCK_N, ROWS, ON_GPU, REL, FENCE_ONE)
 
 
 def _block_k(k_slice: int) -> int:
@@ -222,7 +292,8 @@ def plan(N: int, K: int, sms: int, partials: bool = False) -> tuple[int, int]:
 
 def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, pdl=None, prefetch=None,
                   num_stages=None, block_k=None, num_warps=None, weights_a=None, partials=False, residual=None,
-                  fold=None, _drop_bug=False, _poison=False, _no_wait=False, _resid_bug=False, _fold_bug=False):
+                  fold=None, peer=None, _drop_bug=False, _poison=False, _no_wait=False, _resid_bug=False,
+                  _fold_bug=False):
     """y = x @ w^T in BF16 (FP32 accumulation) for x [M, K] BF16 (M <= 16) and w [N, K] BF16.
 
     ``out`` [M, N] BF16 to write into (row stride free). ``block_n`` / ``split_k``: the tiling
@@ -252,6 +323,11 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     weight[c] * router[e, c] (FP32, the products' r x weight in TF32), i.e. the router's product with
     RMSNorm(res) * weight before the per-row scale. ``fold_shape(N, K, E, device)`` gives pl's shape
     for the default tiling. ``_fold_bug``: its negative control (the norm weight left out).
+    ``peer`` = (a ``peer.PeerExchange``, keywords of ``peer.exchange_launch``), with ``residual`` only: x @ w^T
+    is this rank's partial sum (tensor parallelism), all-reduced over the exchange inside the epilogue
+    before the add (the fused all-reduce, one point of the exchange's sequence: each column block's
+    rank partials in BF16, summed in rank order in FP32 and rounded, as ``peer.peer_add_rmsnorm`` sums
+    them). ``counter`` then needs N / block_n + 1 entries (the last holds the blocks' arrivals).
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests', as is ``_resid_bug`` (the sums of squares taken over y instead of res + y)."""
@@ -290,23 +366,37 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
         fold_kw = dict(WR=wr, WG=wg, PL=pl, stride_wr=wr.stride(0), E=wr.shape[0], E_POW2=e_pow2,
                        PL_ROWS=FOLD_ROWS, FOLD=True, FOLD_BUG=bool(_fold_bug))
     fin = not (partials and split_k > 1)
-    if split_k > 1 and fin:
+    wa = (WEIGHTS_A and M <= 8) if weights_a is None else bool(weights_a)
+    check(M <= 8 or not wa, "weights_a: at most 8 rows")
+    warps = NUM_WARPS if num_warps is None else int(num_warps)
+    peer_kw = {}
+    if peer is not None:
+        xchg, popts = peer
+        check(residual is not None, "peer= needs residual=: the all-reduced sum is added to the residual")
+        check(N == xchg.width and M <= xchg.rows and xchg.own.device == dev,
+              f"peer: y [M <= {xchg.rows}, {xchg.width}] (the exchange's shape), one device")
+        # (the tile goes through the exchange flat: at least one element per thread, none in two)
+        check((8 if wa else BLOCK_M) * block_n >= 32 * warps, f"peer: block_n {block_n} too narrow for {warps} warps")
+        xargs, xconst = _peer_launch(xchg, dev, **popts)
+        peer_kw = dict(zip(("PTRS", "STATE", "RANK", "timeout_ns"), xargs), PEER=True, NT=32 * warps, **xconst)
+    need = n_blocks + (1 if peer is not None else 0)
+    if (split_k > 1 and fin) or peer is not None:
         if counter is None:
-            counter = torch.zeros(n_blocks, dtype=torch.int32, device=dev)
-        check(counter.dtype == torch.int32 and counter.device == dev and counter.numel() >= n_blocks,
-              f"counter: int32, at least {n_blocks} on x's device")
+            counter = torch.zeros(need, dtype=torch.int32, device=dev)
+        check(counter.dtype == torch.int32 and counter.device == dev and counter.numel() >= need,
+              f"counter: int32, at least {need} on x's device")
     if split_k > 1:
         part = (torch.full((split_k, BLOCK_M, N), float("nan"), dtype=torch.float32, device=dev) if _poison
                 else torch.empty((split_k, BLOCK_M, N), dtype=torch.float32, device=dev))
         if not fin:
             counter = part   # (unused: no arrival counter without the last arriver's sum)
     else:
-        counter = part = out
+        part = out
+        if peer is None:
+            counter = out
     use_pdl = pdl_supported(dev) and (PDL if pdl is None else bool(pdl))
     use_pf = use_pdl and compiled_cuda(dev) and (PREFETCH if prefetch is None else bool(prefetch))
     k_slice = K // split_k
-    wa = (WEIGHTS_A and M <= 8) if weights_a is None else bool(weights_a)
-    check(M <= 8 or not wa, "weights_a: at most 8 rows")
     bk = _block_k(k_slice) if block_k is None else int(block_k)
     if block_k is None and planned and not fin and k_slice % PARTIALS_BLOCK_K == 0:
         bk = PARTIALS_BLOCK_K   # (the planned tiling for a consumer that sums the partials)
@@ -315,11 +405,11 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
         x, w, out, part, counter, M, x.stride(0), w.stride(0), out.stride(0),
         N=N, K_SLICE=k_slice, SPLIT_K=split_k, BLOCK_M=8 if wa else BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk,
         PDL=use_pdl, PREFETCH=use_pf, PF_CHUNK=min(1024, next_pow2(block_n * max(1, k_slice * 2 // 128))),
-        DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), WEIGHTS_A=wa, num_warps=NUM_WARPS if num_warps is None else int(num_warps),
+        DROP_BUG=bool(_drop_bug), NO_WAIT=bool(_no_wait), WEIGHTS_A=wa, num_warps=warps,
         num_stages=NUM_STAGES if num_stages is None else int(num_stages), FINALIZE=fin,
         **(dict(RES=residual[0], SSQ=residual[1], stride_r=residual[0].stride(0), RESID=True,
                 RESID_BUG=bool(_resid_bug)) if residual is not None else {}),
-        **fold_kw, **({"launch_pdl": True} if use_pdl else {}),
+        **fold_kw, **peer_kw, **({"launch_pdl": True} if use_pdl else {}),
     )
     if residual is not None:
         return residual[0]

@@ -36,8 +36,9 @@ EXCHANGE_SMALL_STACK = 8
 
 
 def _exchange_small(name, kw):
-    return ((name == "_peer_add_rmsnorm_kernel" or (name == "_moe_reduce_kernel" and kw.get("PEER")))
-            and kw["H"] < 4096)
+    return ((name == "_peer_add_rmsnorm_kernel" and kw["H"] < 4096)
+            or (name == "_moe_reduce_kernel" and kw.get("PEER") and kw["H"] < 4096)
+            or (name == "_linear_kernel" and kw.get("PEER") and kw["N"] < 4096))
 
 
 class _Sm90Driver:
@@ -86,11 +87,13 @@ PTX_MARKS = [("_attn_split_v2_kernel", "TAIL_PREFETCH", "prefetch.global.L2"),
              ("_peer_add_rmsnorm_kernel", "ON_GPU", "ld.volatile.global"),
              ("_peer_add_rmsnorm_kernel", "PDL", "griddepcontrol.wait"),
              ("_moe_reduce_kernel", "PEER", "ld.volatile.global"),
-             ("_moe_reduce_kernel", "SYS_FENCE", "fence.acq_rel.sys")]
+             ("_moe_reduce_kernel", "SYS_FENCE", "fence.acq_rel.sys"),
+             ("_linear_kernel", "PEER", "ld.volatile.global"),
+             ("_linear_kernel", "SYS_FENCE", "fence.acq_rel.sys")]
 
 
 def _exchange_fence(scope):
-    """Whether a launch of the exchange's code (the exchange's kernel; the MoE reduce with PEER) puts a
+    """Whether a launch of the exchange's code (the exchange's kernel; the MoE reduce or the projection with PEER) puts a
     fence of ``scope`` (1: GPU, 2: system) into its PTX."""
     return lambda kw: bool(kw.get("ON_GPU")) and bool(kw.get("PEER", True)) and scope in (kw.get("ACQ"), kw.get("REL"))
 
@@ -98,7 +101,8 @@ def _exchange_fence(scope):
 # Keys of PTX_MARKS computed from a launch's constexprs: (kernel, key) -> function of them
 DERIVED = {("_peer_add_rmsnorm_kernel", "SYS_FENCE"): _exchange_fence(2),
            ("_peer_add_rmsnorm_kernel", "GPU_FENCE"): _exchange_fence(1),
-           ("_moe_reduce_kernel", "SYS_FENCE"): _exchange_fence(2)}
+           ("_moe_reduce_kernel", "SYS_FENCE"): _exchange_fence(2),
+           ("_linear_kernel", "SYS_FENCE"): lambda kw: bool(kw.get("PEER")) and _exchange_fence(2)(kw)}
 
 
 # Keywords that put weight loads before griddepcontrol.wait (and without which no global load precedes
@@ -309,7 +313,7 @@ def _launch_everything(A, M, Nm, S, R, RT, U, LN, RS, PF):
 
 
 
-def _launch_peer(PE, M):
+def _launch_peer(PE, M, LN):
     """The fused all-reduce + add + RMSNorm (runtime/kernels/peer.py) at q1 (H = 6144) and q1-tiny
     widths, 2 and 8 ranks, 1 and 8 rows, with and without the FP16 copy and the re-arm, and its forms
     without the add and without the norm."""
@@ -335,6 +339,19 @@ def _launch_peer(PE, M):
                 M._launch_reduce(y, torch.ones(T, 8), torch.empty(T, H).to(bf), pdl=True, peer=(xchg, kw),
                                  norm=(torch.randn(T, H).to(bf), torch.ones(H).to(bf), 1e-6,
                                        torch.zeros(8, dtype=torch.int32)))
+        # the output projection all-reducing over the exchange in its epilogue (q1: 6 heads' 768 columns
+        # into 6,144, one K slice; the tiny width in two), with and without the folded routing's partials
+        K, (bn, sk) = (768, (64, 1)) if H == 6144 else (128, (32, 2))
+        for T in (1, 8):
+            res = torch.randn(T, H).to(bf)
+            ssq = torch.empty(T, H // bn)
+            for kw in ({}, dict(rearm_lag=1, fence="sys_acq"), dict(_no_rearm=True), dict(fence="sys")):
+                LN.skinny_linear(torch.randn(T, K).to(bf), torch.randn(H, K).to(bf), block_n=bn, split_k=sk,
+                                 residual=(res, ssq), peer=(xchg, kw))
+            pl = torch.empty(H // bn, LN.FOLD_ROWS, 128)
+            LN.skinny_linear(torch.randn(T, K).to(bf), torch.randn(H, K).to(bf), block_n=bn, split_k=sk,
+                             residual=(res, ssq), peer=(xchg, {}),
+                             fold=(torch.randn(128, H).to(bf), torch.randn(H).to(bf), pl))
 
 
 def main():
@@ -354,7 +371,7 @@ def main():
     _launch_everything(*mods)
     pe = _compile_only("peer", sink)
     pe.pdl_supported = pe.compiled_cuda = lambda device: True
-    _launch_peer(pe, mods[1])
+    _launch_peer(pe, mods[1], mods[7])
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         cuobjdump = shutil.which("cuobjdump")

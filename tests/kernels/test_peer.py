@@ -74,21 +74,53 @@ def reduce_inputs(Mm, R, T, H, seed):
     return [(y, tw) for y in ys], parts
 
 
+# The output projection with the exchange in its epilogue (skinny_linear(residual=, peer=)): its tilings
+# (split K 1: each program exchanges its column block; split K 2: each block's last arriving slice does)
+LINEAR = {"linear": dict(split_k=1), "linear_sk": dict(split_k=2)}
+
+
+def linear_tiling(kernel, H):
+    return dict(LINEAR[kernel], block_n=64 if H >= 1024 else 32)
+
+
+def linear_inputs(kernel, R, T, H, seed):
+    """Every rank's output-projection inputs (x [T, KD] BF16, its weight shard [H, KD]) and what each
+    rank publishes: the plain projection's BF16 output in the same tiling."""
+    Lm = load_kernels("linear")
+    kd = 768 if H >= 1024 else 128
+    g = torch.Generator().manual_seed(seed)
+    ins = [((torch.randn(T, kd, generator=g)).to(torch.bfloat16).to(DEV),
+            (torch.randn(H, kd, generator=g) / kd ** 0.5).to(torch.bfloat16).to(DEV)) for _ in range(R)]
+    return ins, [Lm.skinny_linear(x, w, **linear_tiling(kernel, H)) for x, w in ins]
+
+
 def point_inputs(kernel, R, T, H, seed):
     """(every rank's inputs to ``launch_point``, what each rank publishes) for one point."""
     if kernel == "peer":
         parts = parts_for(R, T, H, seed)
         return parts, parts
+    if kernel in LINEAR:
+        return linear_inputs(kernel, R, T, H, seed)
     return reduce_inputs(load_kernels("moe"), R, T, H, seed)
 
 
 def launch_point(kernel, inputs, res, wt, o, o16, xchg, mode, cnt=None, **kw):
     """One rank's launch of one point: the exchange's own kernel ("peer", inputs = the rank's partial
-    rows) or the MoE reduce with the exchange and the next add + norm ("moe_reduce", inputs = (y, tw):
-    the add + norm form only; it writes no FP16 copy; ``cnt``: its counter, int32 zeros, left zero)."""
+    rows), the MoE reduce with the exchange and the next add + norm ("moe_reduce", inputs = (y, tw):
+    the add + norm form only; it writes no FP16 copy; ``cnt``: its counter, int32 zeros, left zero) or
+    the output projection with the exchange and the add in its epilogue (``LINEAR``, inputs = (x, w);
+    its per-block sums of squares normalised here in torch into ``o``, as the router does in its kernel)."""
     if kernel == "peer":
         load_kernels("peer").peer_add_rmsnorm(inputs, res, wt, EPS, xchg, out=o, out16=o16, add=mode != "start",
                                               norm=mode != "add_only", **kw)
+    elif kernel in LINEAR:
+        x, w = inputs
+        tiling = linear_tiling(kernel, w.shape[0])
+        ssq = torch.empty(x.shape[0], w.shape[0] // tiling["block_n"], dtype=torch.float32, device=DEV)
+        cnt = torch.zeros(1024, dtype=torch.int32, device=DEV) if cnt is None else cnt
+        load_kernels("linear").skinny_linear(x, w, residual=(res, ssq), peer=(xchg, kw), counter=cnt, **tiling)
+        rf = res.float()
+        o.copy_((rf * torch.rsqrt(ssq.sum(1, keepdim=True) / w.shape[0] + EPS) * wt.float()).to(o.dtype))
     else:
         y, tw = inputs
         cnt = torch.zeros(8, dtype=torch.int32, device=DEV) if cnt is None else cnt
@@ -128,6 +160,8 @@ def run_staged(R, H, rows_seq, seed, exact, kernel="peer", **kw):
                 problems.append(f"point {n} rank {q}: residual")
             same = [torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
                     for a, b in ((o, o_exp), (o16, o16_exp))]
+            if kernel in LINEAR:   # (o normalised in torch from the kernel's block sums: within a BF16 step)
+                same[0] = bool(((o.float() - o_exp.float()).abs() <= o_exp.float().abs() * 2.0 ** -7 + 1e-30).all())
             if mode == "add_only" and not all(same):
                 problems.append(f"point {n} rank {q}: add alone wrote an output")
             elif exact and mode != "add_only" and not all(same):
@@ -187,7 +221,8 @@ def lagging_peer(R, H, timeout_s, kernel="peer", **kw):
 # (lag1: the re-arm one point back, with the acquire fence it then needs)
 FORMS = {"default": {}, "two_reduce": {"one_reduce": False}, "lag1": {"rearm_lag": 1, "fence": "sys_acq"}}
 # (kernel, form): the exchange's own kernel in every form; the MoE reduce in those it has
-CASES = [("peer", f) for f in FORMS] + [("moe_reduce", "default"), ("moe_reduce", "lag1")]
+CASES = ([("peer", f) for f in FORMS] + [("moe_reduce", "default"), ("moe_reduce", "lag1")]
+         + [("linear", "default"), ("linear", "lag1"), ("linear_sk", "default")])
 IDS = [f"{k}-{f}" for k, f in CASES]
 
 
@@ -211,13 +246,13 @@ def _no_rearm_caught(H, exact, kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["peer", "moe_reduce"])
+@pytest.mark.parametrize("kernel", ["peer", "moe_reduce", "linear", "linear_sk"])
 def test_gpu_no_rearm_control_fails_the_check(kernel):
     assert _no_rearm_caught(6144, exact=True, kernel=kernel)
 
 
 @cpu_only
-@pytest.mark.parametrize("kernel", ["peer", "moe_reduce"])
+@pytest.mark.parametrize("kernel", ["peer", "moe_reduce", "linear", "linear_sk"])
 def test_interp_no_rearm_control_fails_the_check(kernel):
     assert _no_rearm_caught(256, exact=False, kernel=kernel)
 
@@ -267,7 +302,7 @@ def run_concurrent(R, H, points, sleep_cycles, kernels=("peer",), **kw):
         want.append((rt.clone(), o))
     streams = [torch.cuda.Stream(DEV) for _ in range(R)]
     res = [res0.clone() for _ in range(R)]
-    cnts = [torch.zeros(8, dtype=torch.int32, device=DEV) for _ in range(R)]
+    cnts = [torch.zeros(1024, dtype=torch.int32, device=DEV) for _ in range(R)]
     # Nothing in the launch loop may wait for the device, or a rank's kernel spins for a peer whose launch
     # is behind that wait on this host thread: the outputs are allocated first, and every kernel the loop
     # launches has been loaded once (a module load waits for the device to idle). The exchange's kernels:
@@ -331,6 +366,15 @@ def test_gpu_concurrent_ranks_match(R, form):
 @pytest.mark.parametrize("R", [2, 4])
 def test_gpu_concurrent_ranks_match_with_the_moe_reduce(R, form):
     _concurrent_checks(R, 1024, ("peer", "moe_reduce"), MIXED[form])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", MIXED)
+@pytest.mark.parametrize("R", [2, 4])
+def test_gpu_concurrent_ranks_match_with_the_projection_and_the_moe_reduce(R, form):
+    """A pass's three exchange points in turn: the output projection's epilogue, the MoE reduce, and the
+    exchange's own kernel (the embedding's, the pass's last), at 1,024 wide (16 programs a rank)."""
+    _concurrent_checks(R, 1024, ("linear", "moe_reduce", "peer"), MIXED[form])
 
 
 def test_exchange_shape_errors():
