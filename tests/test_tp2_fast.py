@@ -284,6 +284,38 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     assert errs["peer_fused_ones"] > 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("model", ["tiny", "q1"])
+def test_gpu_emulated_fused_allreduce_changes_no_bit(model):
+    """Under rank emulation the fused all-reduce's peers are static zero buffers, so every exchange point
+    (the embedding rows', the output projections' epilogues, the MoE reduces', the passes' last adds) must
+    return this rank's own sums: the engine's verify logits and 24 generated tokens bit for bit those of
+    the default emulated engine, whose fusions (the router's norm, the folded routing, the reduce's norm)
+    the fused path now shares. Negative control: the static peers' rows at 0.03 instead of zero."""
+    cfg = model_cfg(model)
+    rt = {"device": "cuda", "backend": "fast", "dtype": "bfloat16", "draft": DRAFT}
+    tensors = dict(random_tensors(cfg, TPConfig(size=2, rank=0), seed=0, device="cuda"))
+    prompt = prompt_for(cfg, 40)
+    got = {}
+    for arm in ("default", "fused", "fused_ones"):
+        tp = {"size": 2, "emulate_rank": 0, **({"fused_allreduce": True} if arm != "default" else {})}
+        eng = Engine(cfg, runtime_config_from_dict({**rt, "tp": tp}), tensors)
+        if arm == "fused_ones":
+            eng.model._xchg.buffers[1].fill_(0.03)   # (every static peer shares this buffer)
+        rnd, st = eng.start(prompt, 0, 16)
+        with torch.no_grad():
+            logits = verify_logits(rnd.model, rnd.cache, st, st.width()).cpu()
+        gen = eng.generate(prompt, seed=3, max_new_tokens=24)
+        got[arm] = (logits, gen.tokens)
+        if arm == "fused":
+            eng.model.check_peers()
+        del eng, rnd, st
+    print({arm: v[1][:8] for arm, v in got.items()})
+    assert torch.equal(got["fused"][0], got["default"][0]) and got["fused"][1] == got["default"][1]
+    assert not torch.equal(got["fused_ones"][0], got["default"][0])
+
+
 def test_fused_allreduce_config_errors():
     """tp.fused_allreduce needs the fast backend and tensor parallelism; real ranks need CUDA."""
     from runtime.config import ConfigError

@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> 
 for s in ${STEPS:-gtest abpeer stepab}; do
   t=$(date +%s)
   case $s in
-    gtest) timeout ${GTIMEOUT:-200} python3 -m pytest -q -rfE -m gpu -n 4 --dist loadfile \
+    gtest) timeout ${GTIMEOUT:-200} python3 -m pytest -q -rfE -m gpu -n ${NPROC:-4} --dist loadfile \
              ${GTESTS:-tests/kernels/test_peer.py tests/kernels/test_linear.py tests/kernels/test_router_norm.py tests/test_fast_backend.py} > "$c/gtest.log" 2>&1 ;;
     abpeer) OUT=$c/abpeer PYTHONUNBUFFERED=1 timeout ${ABTIMEOUT:-150} python3 experiments/ab_peer.py ${ABPEER:-} \
               > "$c/abpeer.log" 2>&1 ;;
