@@ -311,6 +311,8 @@ def test_gpu_emulated_fused_allreduce_changes_no_bit(model):
         if arm == "fused":
             eng.model.check_peers()
         del eng, rnd, st
+        gc.collect()
+        torch.cuda.empty_cache()   # (q1's engine holds ~20 GiB: one at a time)
     print({arm: v[1][:8] for arm, v in got.items()})
     assert torch.equal(got["fused"][0], got["default"][0]) and got["fused"][1] == got["default"][1]
     assert not torch.equal(got["fused_ones"][0], got["default"][0])
