@@ -574,6 +574,8 @@ AB_VARIANTS = {
     # the output projection writing the rank's partial sum, all-reduced with the add + norm by the
     # exchange's own kernel after it, and the routing rounded (the default's way before session 51)
     "peer_fused_o_apart": lambda rnd: (_peer_fused(rnd), _model_variant(rnd, peer_o_proj=False)),
+    # the output projection's arrival ticket relaxed (linear.PEER_TICKET is "acq_rel")
+    "peer_fused_ticket_relaxed": lambda rnd: (_peer_fused(rnd), _model_variant(rnd, peer_o_options={"ticket": "relaxed"})),
     # the sampling of a rank-emulated step in one stage: the rank's own top k drawn from directly, no
     # second stage over the (here one rank's) gathered candidates (the emulated step's way before session
     # 48; since, FastModel._sample_fast runs both stages under any TP, as a real rank must)

@@ -288,6 +288,8 @@ class FastModel(Model):
         # the exchange's own kernel after the attention goes. False: the projection writes the rank's partial
         # sum and peer_add_rmsnorm all-reduces it (bench_step.py --ab peer_fused_o_apart)
         self.peer_o_proj = True
+        # further skinny_linear peer keywords for the output projection's exchange (e.g. ticket; benchmarks' variants)
+        self.peer_o_options: dict = {}
         self._pred_ids: dict[int, torch.Tensor] = {}
         self._side_stream = None
         self._moe_norm_counter = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=self.device)
@@ -467,13 +469,15 @@ class FastModel(Model):
         if self.kernels.linear == "reference":
             return x @ w.T
         return _linear.skinny_linear(x, w, counter=self._linear_counter, partials=partials, residual=residual,
-                                     fold=fold, peer=self._exchange_peer() if residual is not None else None)
+                                     fold=fold, peer=self._exchange_peer(self.peer_o_options) if residual is not None
+                                     else None)
 
-    def _exchange_peer(self) -> tuple | None:
-        """A kernel's ``peer=`` for the fused all-reduce inside it (the exchange, its keywords), or None."""
+    def _exchange_peer(self, extra: dict | None = None) -> tuple | None:
+        """A kernel's ``peer=`` for the fused all-reduce inside it (the exchange, its keywords and the
+        kernel's own ``extra``), or None."""
         if self._xchg is None:
             return None
-        return self._xchg, {k: v for k, v in self.peer_options.items() if k in _PEER_EXCHANGE_KEYS}
+        return self._xchg, {**{k: v for k, v in self.peer_options.items() if k in _PEER_EXCHANGE_KEYS}, **(extra or {})}
 
     def _proj_qkv(self, x: torch.Tensor, w: torch.Tensor) -> dict:
         """The fused Q/K/V projection as rope_kv_write's input: {"qkv": BF16 [T, N]}, or with

@@ -65,6 +65,10 @@ PARTIALS_BLOCK_K = 64
 # [0.9944, 0.9988] (64K); `bench_step.py --ab linear_x_a` now measures the other way. False (and
 # above 8 rows always): x [16 padded rows, K] times the tile transposed.
 WEIGHTS_A = True
+# ``peer=``: the memory semantics of the column blocks' arrival ticket (peer keyword ``ticket``). "acq_rel"
+# orders each block's read of the sequence number before its ticket in the memory model's terms;
+# "relaxed" (measurement) leaves that to the read's value having been used before the ticket is taken.
+PEER_TICKET = "acq_rel"
 
 
 @triton.jit
@@ -141,11 +145,11 @@ def _exchange_tile(acc, offs_n, M, PTRS, STATE, RANK, timeout_ns, seq, N: tl.con
 
 @triton.jit
 def _exchange_done(CNT, STATE, seq, NB: tl.constexpr, ROWS: tl.constexpr, ON_GPU: tl.constexpr, REL: tl.constexpr,
-                   FENCE_ONE: tl.constexpr):
+                   FENCE_ONE: tl.constexpr, TICKET_SEM: tl.constexpr):
     """``peer=``: the last of the NB column blocks to finish its exchange (a ticket on CNT[NB]) advances
     every row's sequence number: every block has read it by then."""
     tl.debug_barrier()
-    ticket = tl.atomic_add(CNT + NB, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(CNT + NB, 1, sem=TICKET_SEM, scope="gpu")
     if ticket == NB - 1:
         for rr in range(0, ROWS):
             tl.store(STATE + rr, seq + 1)
@@ -168,7 +172,8 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                    PTRS=None, STATE=None, RANK=0, timeout_ns=0, PEER: tl.constexpr = False, ROWS: tl.constexpr = 8,
                    K: tl.constexpr = 4, R: tl.constexpr = 1, ON_GPU: tl.constexpr = False,
                    MAX_POLLS: tl.constexpr = 1, LAG: tl.constexpr = 2, ACQ: tl.constexpr = 0, REL: tl.constexpr = 0,
-                   FENCE_ONE: tl.constexpr = False, NO_REARM: tl.constexpr = False, NT: tl.constexpr = 128):
+                   FENCE_ONE: tl.constexpr = False, NO_REARM: tl.constexpr = False, NT: tl.constexpr = 128,
+                   TICKET_SEM: tl.constexpr = "acq_rel"):
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,7 +225,7 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
             _residual_epilogue(acc, res, res_ptrs, SSQ, offs_m, m_ok, pn, N // BLOCK_N, Y.dtype.element_ty,
                                RESID_BUG, FOLD, wr, wg, PL, E, E_POW2, PL_ROWS, FOLD_BUG)
             if PEER:
-                _exchange_done(CNT, STATE, seq, N // BLOCK_N, ROWS, ON_GPU, REL, FENCE_ONE)
+                _exchange_done(CNT, STATE, seq, N // BLOCK_N, ROWS, ON_GPU, REL, FENCE_ONE, TICKET_SEM)
         else:
             tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
     else:
@@ -247,7 +252,7 @@ def _linear_kernel(X, W, Y, PART, CNT, M, stride_x, stride_w, stride_y,
                 tl.store(y_ptrs, tot.to(Y.dtype.element_ty), mask=m_ok[:, None])
             tl.atomic_xchg(CNT + pn, 0, sem="relaxed", scope="gpu")   # re-armed for the next call
             if PEER:
-                _exchange_done(CNT, STATE, seq, N // BLOCK_N, ROWS, ON_GPU, REL, FENCE_ONE)
+                _exchange_done(CNT, STATE, seq, N // BLOCK_N, ROWS, ON_GPU, REL, FENCE_ONE, TICKET_SEM)
 
 
 def _block_k(k_slice: int) -> int:
@@ -327,7 +332,8 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     is this rank's partial sum (tensor parallelism), all-reduced over the exchange inside the epilogue
     before the add (the fused all-reduce, one point of the exchange's sequence: each column block's
     rank partials in BF16, summed in rank order in FP32 and rounded, as ``peer.peer_add_rmsnorm`` sums
-    them). ``counter`` then needs N / block_n + 1 entries (the last holds the blocks' arrivals).
+    them). ``counter`` then needs N / block_n + 1 entries (the last holds the blocks' arrivals). Besides
+    the exchange's keywords: ``ticket``, the arrival ticket's semantics (default PEER_TICKET).
     ``_drop_bug`` (negative control: the first K step of every slice skipped), ``_poison`` (the
     partials start as NaN) and ``_no_wait`` (negative control: launched early, never waits for x)
     are the tests', as is ``_resid_bug`` (the sums of squares taken over y instead of res + y)."""
@@ -372,13 +378,17 @@ def skinny_linear(x, w, out=None, *, block_n=None, split_k=None, counter=None, p
     peer_kw = {}
     if peer is not None:
         xchg, popts = peer
+        popts = dict(popts)
+        ticket = popts.pop("ticket", PEER_TICKET)
+        check(ticket in ("acq_rel", "relaxed"), "peer keyword ticket: 'acq_rel' or 'relaxed'")
         check(residual is not None, "peer= needs residual=: the all-reduced sum is added to the residual")
         check(N == xchg.width and M <= xchg.rows and xchg.own.device == dev,
               f"peer: y [M <= {xchg.rows}, {xchg.width}] (the exchange's shape), one device")
         # (the tile goes through the exchange flat: at least one element per thread, none in two)
         check((8 if wa else BLOCK_M) * block_n >= 32 * warps, f"peer: block_n {block_n} too narrow for {warps} warps")
         xargs, xconst = _peer_launch(xchg, dev, **popts)
-        peer_kw = dict(zip(("PTRS", "STATE", "RANK", "timeout_ns"), xargs), PEER=True, NT=32 * warps, **xconst)
+        peer_kw = dict(zip(("PTRS", "STATE", "RANK", "timeout_ns"), xargs), PEER=True, NT=32 * warps,
+                       TICKET_SEM=ticket, **xconst)
     need = n_blocks + (1 if peer is not None else 0)
     if (split_k > 1 and fin) or peer is not None:
         if counter is None:

@@ -345,7 +345,8 @@ def _launch_peer(PE, M, LN):
         for T in (1, 8):
             res = torch.randn(T, H).to(bf)
             ssq = torch.empty(T, H // bn)
-            for kw in ({}, dict(rearm_lag=1, fence="sys_acq"), dict(_no_rearm=True), dict(fence="sys")):
+            for kw in ({}, dict(rearm_lag=1, fence="sys_acq"), dict(_no_rearm=True), dict(fence="sys"),
+                       dict(ticket="relaxed")):
                 LN.skinny_linear(torch.randn(T, K).to(bf), torch.randn(H, K).to(bf), block_n=bn, split_k=sk,
                                  residual=(res, ssq), peer=(xchg, kw))
             pl = torch.empty(H // bn, LN.FOLD_ROWS, 128)
