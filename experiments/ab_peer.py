@@ -26,12 +26,13 @@ from _bench import CUDA, DEV, DRY_RUN, paired_stats, replay_paired, write_result
 
 import torch  # noqa: E402
 
+from runtime.kernels import linear as L  # noqa: E402
 from runtime.kernels import moe as M  # noqa: E402
 from runtime.kernels import norm as N  # noqa: E402
 from runtime.kernels import peer as P  # noqa: E402
 
 # name -> (ranks or None for the --ranks value, peer_add_rmsnorm keywords); "norm": fused_add_rmsnorm;
-# names starting "reduce": the MoE reduce's launches (below)
+# names starting "reduce": the MoE reduce's launches, "proj": the output projection's (below)
 CONFIGS = {
     "peer": (None, {}),
     "peer_again": (None, {}),          # A/A
@@ -56,9 +57,22 @@ CONFIGS = {
     "reduce_norm": (None, "norm"),
     "reduce_peer": (None, "peer"),
     "reduce_then_peer": (None, "apart"),
+    # the output projection (q1's rank: 6 heads' 768 columns into 6,144) with the residual add, the sums of
+    # squares and the folded routing's partials in its epilogue (what a single rank runs), with the all-reduce
+    # over the exchange inside it too (the fused all-reduce's default since session 51), the same with the
+    # arrival ticket relaxed, with one rank (no peer loads) or no re-arm, and the plain projection followed
+    # by the exchange's own kernel (peer_o_proj=False: two launches a point)
+    "proj_resid": (None, "proj"),
+    "proj_peer": (None, "proj_peer"),
+    "proj_peer_relaxed": (None, "proj_peer_relaxed"),
+    "proj_peer_ranks1": (1, "proj_peer"),
+    "proj_peer_no_rearm": (None, "proj_peer_no_rearm"),
+    "proj_then_peer": (None, "proj_apart"),
 }
 DEFAULT = ("peer,norm,peer_again,s49,lag1,ranks1,ranks2,fence_sys,fence_gpu,fence_sys_acq,fence_sys_one,two_reduce,"
-           "no_rearm,seq_first,floor,reduce_norm,reduce_peer,reduce_then_peer")
+           "no_rearm,seq_first,floor,reduce_norm,reduce_peer,reduce_then_peer,proj_resid,proj_peer,proj_peer_relaxed,"
+           "proj_peer_ranks1,proj_peer_no_rearm,proj_then_peer")
+PROJ = {"proj": None, "proj_peer": {}, "proj_peer_relaxed": {"ticket": "relaxed"}, "proj_peer_no_rearm": {"_no_rearm": True}}
 
 
 def chain(config: str, rows: int, ranks: int, n: int, H: int, seed: int) -> list:
@@ -87,6 +101,21 @@ def chain(config: str, rows: int, ranks: int, n: int, H: int, seed: int) -> list
         peer = (xchg, {}) if kw == "peer" else None
         return [(lambda i=i: M._launch_reduce(ys[i % 4], tw, out, pdl=pdl, norm=(res, wt, eps, cnt), peer=peer))
                 for i in range(n)]
+    if config.startswith("proj"):
+        K, E = (768, 128) if H == 6144 else (128, 16)
+        ins = [torch.randn(rows, K, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4)]
+        w = (torch.randn(H, K, generator=g) / K ** 0.5).to(torch.bfloat16).to(DEV)
+        router = torch.randn(E, H, generator=g).to(torch.bfloat16).to(DEV)
+        ssq = torch.empty(rows, L.ssq_blocks(H, K, DEV), dtype=torch.float32, device=DEV)
+        pl = torch.empty(L.fold_shape(H, K, E, DEV), dtype=torch.float32, device=DEV)
+        cnt = torch.zeros(H // 16 + 1, dtype=torch.int32, device=DEV)
+        if kw == "proj_apart":
+            return [(lambda i=i: P.peer_add_rmsnorm(L.skinny_linear(ins[i % 4], w, out, counter=cnt), res, wt, eps,
+                                                    xchg, out=out16.view(torch.bfloat16))) for i in range(n)]
+        pk = PROJ[kw]
+        peer = None if pk is None else (xchg, pk)
+        return [(lambda i=i: L.skinny_linear(ins[i % 4], w, counter=cnt, residual=(res, ssq), fold=(router, wt, pl),
+                                             peer=peer)) for i in range(n)]
     return [(lambda i=i: P.peer_add_rmsnorm(xs[i % 4], res, wt, eps, xchg, out=out,
                                             out16=out16 if i % 2 == 0 else None, **kw))
             for i in range(n)]

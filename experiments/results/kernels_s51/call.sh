@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 51's device call: bash experiments/results/kernels_s51/call.sh callN, with STEPS (any of gtest abpeer stepab tp2),
 # GTESTS (pytest arguments; default: the exchange's and the fast backend's GPU tests), ABPEER (ab_peer.py arguments),
-# STEPAB / STEPCTX / STEPBUDGET (bench_step.py --ab) and the *TIMEOUT variables in the environment.
+# STEPAB / STEPCTX / STEPBUDGET / STEPEXTRA (bench_step.py --ab, more arguments) and the *TIMEOUT variables in the environment.
 # Writes under $OUT/callN: rev.txt, one log per step, steps.txt, results.tgz.
 set -u
 c=$OUT/$1; mkdir -p "$c"
@@ -15,7 +15,7 @@ for s in ${STEPS:-gtest abpeer stepab}; do
     abpeer) OUT=$c/abpeer PYTHONUNBUFFERED=1 timeout ${ABTIMEOUT:-150} python3 experiments/ab_peer.py ${ABPEER:-} \
               > "$c/abpeer.log" 2>&1 ;;
     stepab) OUT=$c/step PYTHONUNBUFFERED=1 timeout ${STEPTIMEOUT:-250} python3 experiments/bench_step.py \
-              --budget-s ${STEPBUDGET:-150} --no-mini --contexts ${STEPCTX:-8192} \
+              --budget-s ${STEPBUDGET:-150} --no-mini --contexts ${STEPCTX:-8192} ${STEPEXTRA:-} \
               --ab ${STEPAB:-peer_paths peer_fused peer_fused_o_apart} > "$c/step.log" 2>&1 ;;
     tp2) timeout ${TP2TIMEOUT:-200} python3 -m pytest -q -s -rfE -m gpu tests/test_tp2_fast.py ${TP2ARGS:-} > "$c/tp2.log" 2>&1 ;;
   esac
