@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import (check, check_rows_by_weight, compiled_cuda, device_sm_count, launch_signature, next_pow2,
                       pdl_supported, prefetch_l2)
-from .peer import _base, _fence, _gather, _poll, _record_and_rearm
+from .peer import _base, _fence, _publish_gather, _record_and_rearm
 from .peer import exchange_launch as _peer_launch
 
 BLOCK_M = 16        # rows, padded (the tensor-core product's M >= 16)
@@ -127,12 +127,8 @@ def _exchange_tile(acc, offs_n, M, PTRS, STATE, RANK, timeout_ns, seq, N: tl.con
     off = (seq & (K - 1)) * (ROWS * N)
     y = tl.reshape(acc.to(tl.bfloat16), [BLOCK_M * BLOCK_N])
     own = _base(PTRS, RANK)
-    tl.store(own + off + offs, y, mask=ok)     # publish
-    yf = y.to(tl.float32)
-    tot, nan = _gather(PTRS, off, offs, ok, yf, RANK, R)
-    tot, nan = _poll(PTRS, off, offs, ok, yf, RANK, R, tot, nan, timeout_ns, ON_GPU, MAX_POLLS, NT)
-    if ON_GPU:
-        _fence(ACQ, FENCE_ONE)
+    tot, nan, yf = _publish_gather(PTRS, own, off, offs, ok, y, RANK, R, timeout_ns, ON_GPU, MAX_POLLS, NT, ACQ,
+                                   FENCE_ONE)
     # the failure record (the helper's re-arm is by row: this block's is below, every row of the slot)
     _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, yf, RANK, R, 0, 1, ROWS, N, K, LAG, True)
     if not NO_REARM:

@@ -64,7 +64,7 @@ from ._common import check, launch_carved, launch_signature, next_pow2, pdl_supp
 from .attention import _TL_FIELDS, TIMELINE_FIELDS, _stamp, _stamp_after
 from . import norm as _norm
 from .norm import load_weight, rms_scale
-from .peer import _base, _fence, _gather, _poll, _record_and_rearm
+from .peer import _base, _fence, _publish_gather, _record_and_rearm
 from .peer import exchange_launch as _peer_launch
 
 # Rows per expert group: at most w <= 8 pairs share an expert (each row picks 8 distinct experts);
@@ -605,12 +605,8 @@ def _moe_reduce_kernel(Y, TW, OUT, RES, WT, CNT, stride_ym, stride_tw, stride_om
             seq = tl.load(STATE + r, volatile=True)
             own = _base(PTRS, RANK)
             off = ((seq & (K - 1)) * ROWS + r) * H
-            tl.store(own + off + offs, m, mask=ok)     # publish
-            mf = m.to(tl.float32)
-            acc, nan = _gather(PTRS, off, offs, ok, mf, RANK, R)
-            acc, nan = _poll(PTRS, off, offs, ok, mf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS, NT)
-            if ON_GPU:
-                _fence(ACQ, FENCE_ONE)
+            acc, nan, mf = _publish_gather(PTRS, own, off, offs, ok, m, RANK, R, timeout_ns, ON_GPU, MAX_POLLS, NT,
+                                           ACQ, FENCE_ONE)
             _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, mf, RANK, R, r, tl.num_programs(0), ROWS, H,
                               K, LAG, NO_REARM)
             m = acc.to(tl.bfloat16)

@@ -184,6 +184,22 @@ def _poll(PTRS, off, offs, ok, x, RANK, R: tl.constexpr, acc, nan, timeout_ns, O
 
 
 @triton.jit
+def _publish_gather(PTRS, own, off, offs, ok, y, RANK, R: tl.constexpr, timeout_ns, ON_GPU: tl.constexpr,
+                    MAX_POLLS: tl.constexpr, NT: tl.constexpr, ACQ: tl.constexpr, FENCE_ONE: tl.constexpr):
+    """A kernel's all-reduce of its block ``y`` (BF16, this rank's partial at ``offs``, slot offset ``off``)
+    over the exchange: published into this rank's buffer ``own``, every rank's block gathered and summed in
+    rank order in FP32 and polled until ready or the bound, then a fence form's acquire. Returns (the sum,
+    its unready elements, y in FP32) for the failure record and the re-arm (``_record_and_rearm``)."""
+    tl.store(own + off + offs, y, mask=ok)     # publish
+    yf = y.to(tl.float32)
+    acc, nan = _gather(PTRS, off, offs, ok, yf, RANK, R)
+    acc, nan = _poll(PTRS, off, offs, ok, yf, RANK, R, acc, nan, timeout_ns, ON_GPU, MAX_POLLS, NT)
+    if ON_GPU:
+        _fence(ACQ, FENCE_ONE)
+    return acc, nan, yf
+
+
+@triton.jit
 def _residual(acc, res, ADD: tl.constexpr, dtype: tl.constexpr):
     """(the residual as stored: res + the all-reduced x, or that x alone without ADD; its sum of
     squares in FP32). The sum is rounded to BF16 first, as a BF16 all-reduce returns it."""
