@@ -1,4 +1,5 @@
-"""Paired A/B of the fused all-reduce's kernel (runtime/kernels/peer.py) alone, on the GPU.
+"""Paired A/B of the fused all-reduce's kernels (runtime/kernels/peer.py; the MoE reduce's and the output
+projection's forms with the exchange inside) alone, on the GPU.
 
     OUT=... python3 experiments/ab_peer.py [--configs peer,norm,...] [--rows 6] [--ranks 8]
                                            [--chain 64] [--rounds 40] [--dry-run]

@@ -46,6 +46,14 @@ peers read them there).
   data of point m - 1, which r published in a kernel after the one that re-armed slot s (point m - 2,
   since m - K < m - 2). K >= lag + 2.
 
+Kernels that all-reduce inside their own epilogue (the MoE reduce with the next norm,
+``moe.fused_moe_fp8(peer=)``; the output projection with the residual add, ``linear.skinny_linear(peer=)``)
+are points of the same sequence with the same steps (``_publish_gather``, ``_record_and_rearm``), each
+program for its block of columns. The argument above holds for them unchanged (their reads and re-arms
+sit in the point's kernel like this one's). Their programs share rows, so the sequence number is advanced
+by the last of them to finish, which an arrival ticket names (acq_rel: every program's read of the number
+precedes its ticket), not by each row's program.
+
 The fences (``fence``, default "none"): "sys" / "gpu" put a fence.acq_rel (system / GPU scope) after
 the gather and after the re-arm; "sys_acq" / "sys_rel" one of them; "sys_one" / "gpu_one" one thread
 per program between barriers. With the re-arm two points back they order nothing that the kernel

@@ -1,4 +1,6 @@
-"""The fused all-reduce + residual add + RMSNorm (runtime/kernels/peer.py) against all-reduce-then-norm.
+"""The fused all-reduce + residual add + RMSNorm (runtime/kernels/peer.py) against all-reduce-then-norm; the
+same exchange inside the MoE reduce (with the next norm) and inside the output projection's epilogue (with the
+residual add and the per-block sums of squares the router normalises from).
 
 Every rank's side of an exchange lives in this process (``PeerExchange.group``). Two ways to run them:
 
@@ -220,7 +222,8 @@ def lagging_peer(R, H, timeout_s, kernel="peer", **kw):
 # accesses: one GPU cannot tell them apart, but the concurrent ranks run them)
 # (lag1: the re-arm one point back, with the acquire fence it then needs)
 FORMS = {"default": {}, "two_reduce": {"one_reduce": False}, "lag1": {"rearm_lag": 1, "fence": "sys_acq"}}
-# (kernel, form): the exchange's own kernel in every form; the MoE reduce in those it has
+# (kernel, form): the exchange's own kernel in every form; the MoE reduce and the output projection (split K 1
+# and 2) in those they have
 CASES = ([("peer", f) for f in FORMS] + [("moe_reduce", "default"), ("moe_reduce", "lag1")]
          + [("linear", "default"), ("linear", "lag1"), ("linear_sk", "default")])
 IDS = [f"{k}-{f}" for k, f in CASES]
