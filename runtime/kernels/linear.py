@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import (check, check_rows_by_weight, compiled_cuda, device_sm_count, launch_signature, next_pow2,
                       pdl_supported, prefetch_l2)
-from .peer import _base, _fence, _publish_gather, _record_and_rearm
+from .peer import _base, _fence, _publish_gather, _rearm, _record
 from .peer import exchange_launch as _peer_launch
 
 BLOCK_M = 16        # rows, padded (the tensor-core product's M >= 16)
@@ -129,13 +129,9 @@ def _exchange_tile(acc, offs_n, M, PTRS, STATE, RANK, timeout_ns, seq, N: tl.con
     own = _base(PTRS, RANK)
     tot, nan, yf = _publish_gather(PTRS, own, off, offs, ok, y, RANK, R, timeout_ns, ON_GPU, MAX_POLLS, NT, ACQ,
                                    FENCE_ONE)
-    # the failure record (the helper's re-arm is by row: this block's is below, every row of the slot)
-    _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, yf, RANK, R, 0, 1, ROWS, N, K, LAG, True)
-    if not NO_REARM:
-        arm = tl.full([BLOCK_N], float("nan"), tl.float32).to(tl.bfloat16)
-        prev = (seq + K - LAG) & (K - 1)
-        for rr in range(0, ROWS):
-            tl.store(own + (prev * ROWS + rr) * N + offs_n, arm)
+    _record(PTRS, STATE, nan, seq, off, offs, ok, yf, RANK, R, ROWS)
+    if not NO_REARM:   # this block's columns of every row of the slot
+        _rearm(own, seq, offs_n, offs_n < N, 0, 1, ROWS, N, K, LAG)
     return tl.reshape(tot, [BLOCK_M, BLOCK_N])
 
 

@@ -48,7 +48,7 @@ peers read them there).
 
 Kernels that all-reduce inside their own epilogue (the MoE reduce with the next norm,
 ``moe.fused_moe_fp8(peer=)``; the output projection with the residual add, ``linear.skinny_linear(peer=)``)
-are points of the same sequence with the same steps (``_publish_gather``, ``_record_and_rearm``), each
+are points of the same sequence with the same steps (``_publish_gather``, ``_record``, ``_rearm``), each
 program for its block of columns. The argument above holds for them unchanged (their reads and re-arms
 sit in the point's kernel like this one's). Their programs share rows, so the sequence number is advanced
 by the last of them to finish, which an arrival ticket names (acq_rel: every program's read of the number
@@ -231,19 +231,31 @@ def _unready(PTRS, off, offs, ok, x, RANK, R: tl.constexpr):
 
 
 @triton.jit
-def _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, x, RANK, R: tl.constexpr, row, T, ROWS: tl.constexpr,
-                      H: tl.constexpr, K: tl.constexpr, LAG: tl.constexpr, NO_REARM: tl.constexpr):
+def _record(PTRS, STATE, nan, seq, off, offs, ok, x, RANK, R: tl.constexpr, ROWS: tl.constexpr):
     """After a gather that ended with ``nan`` unready elements: the failure record (which ranks, and
-    the first point plus one) if any; then slot seq - LAG re-armed (NaN) at ``offs`` for rows row,
-    row + T, ... (every row: the pass of that point may have had more rows than this one)."""
+    the first point plus one) if any."""
     if nan > 0:
         tl.atomic_or(STATE + ROWS + _FAILED, _unready(PTRS, off, offs, ok, x, RANK, R))
         tl.atomic_cas(STATE + ROWS + _FAILED_AT, 0, seq + 1)
+
+
+@triton.jit
+def _rearm(own, seq, cols, ok, row, T, ROWS: tl.constexpr, H: tl.constexpr, K: tl.constexpr, LAG: tl.constexpr):
+    """Slot seq - LAG of this rank's buffer re-armed (NaN) at the columns ``cols`` of rows row, row + T, ...
+    (every row: the pass of that point may have had more rows than this one)."""
+    arm = tl.full(cols.shape, float("nan"), tl.float32).to(tl.bfloat16)
+    prev = (seq + K - LAG) & (K - 1)
+    for rr in range(row, ROWS, T):
+        tl.store(own + (prev * ROWS + rr) * H + cols, arm, mask=ok)
+
+
+@triton.jit
+def _record_and_rearm(PTRS, STATE, own, nan, seq, off, offs, ok, x, RANK, R: tl.constexpr, row, T, ROWS: tl.constexpr,
+                      H: tl.constexpr, K: tl.constexpr, LAG: tl.constexpr, NO_REARM: tl.constexpr):
+    """``_record``, then (unless NO_REARM) ``_rearm`` at ``offs`` (a row's columns) for rows row, row + T, ..."""
+    _record(PTRS, STATE, nan, seq, off, offs, ok, x, RANK, R, ROWS)
     if not NO_REARM:
-        arm = tl.full(offs.shape, float("nan"), tl.float32).to(tl.bfloat16)
-        prev = (seq + K - LAG) & (K - 1)
-        for rr in range(row, ROWS, T):
-            tl.store(own + (prev * ROWS + rr) * H + offs, arm, mask=ok)
+        _rearm(own, seq, offs, ok, row, T, ROWS, H, K, LAG)
 
 
 # (T and RANK not specialized: one binary for every rank and row count. A first launch of another
