@@ -10,16 +10,21 @@ Triton 3.6's interpreter has two gaps that the compiled GPU path does not have:
   kernels call to match torch's results bit for bit) are stubs that return None: we route them to the
   interpreter's ``tl.cos`` / ``tl.sin`` / ``tl.log`` (NumPy's, within an ulp of torch's on the CPU).
 
-Two more shims only save time (the interpreter's own work, same results):
+Three more shims only save time (the interpreter's own work, same results):
 
 * every call of a jitted helper re-patches ``triton.language`` through ``_patch_builtin``, which
   scans the package with ``inspect.getmembers`` (about a fifth of an interpreted step): the names of
   its builtins are kept per package after the first scan (a name counts if it holds a builtin or the
   interpreter's wrapper of one, so the scan finds the same names patched or not), and later calls
   look only at those names, patching the ones still builtin as before;
-* ``_get_np_dtype`` built its type table on every call: built once.
+* ``_get_np_dtype`` built its type table on every call: built once;
+* the integer overflow sanitizer (``InterpreterOptions.sanitize_overflow``, on by default) casts the
+  operands of every 32-bit integer add, subtract and multiply to 64 bits, recomputes the result and
+  compares it with the type's bounds, then hands the comparison to ``device_assert``, which drops it
+  unless ``debug`` is on (off by default, and nothing here turns it on). So it checks nothing and cost
+  about a third of an interpreted MoE launch: switched off while ``debug`` is off, kept when it is on.
 
-``check_speed_shims()`` compares both against the originals (the tests call it, with a broken
+``check_speed_shims()`` compares the first two against the originals (the tests call it, with a broken
 variant as negative control).
 
 Known and NOT shimmed: the interpreter's FP32 -> E4M3 conversion mis-rounds values whose rounding
@@ -115,6 +120,18 @@ def _install_speed_shims(I) -> None:
 
     I._iqrt_orig_patch_builtin, I._iqrt_orig_get_np_dtype = orig_patch_builtin, orig_np_dtype
     I._patch_builtin, I._get_np_dtype = patch_builtin, get_np_dtype
+    I._iqrt_orig_options = I.interpreter_builder.options
+    I.interpreter_builder.options = speed_options(I.interpreter_builder.options)
+
+
+def speed_options(options):
+    """The interpreter's options without the overflow sanitizer where ``device_assert`` would drop its
+    check (``debug`` off); unchanged where the check is live (module doc)."""
+    import dataclasses
+
+    if options.debug or not options.sanitize_overflow:
+        return options
+    return dataclasses.replace(options, sanitize_overflow=False)
 
 
 def check_speed_shims(I=None) -> dict:

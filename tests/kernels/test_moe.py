@@ -389,10 +389,13 @@ def test_group_bits_rank_like_the_comparisons(E):
     order as the P x P comparisons, for 1-8 rows of random, shared and identical routings (GPU, or the
     interpreter on the CPU). Negative control: a bitmap one word short (experts >= 32 (words - 1)
     missing) must differ."""
-    M = load_kernels("moe")
     # in the interpreter a launch over several bitmap words takes seconds: there the wide tables
     # (E > 32) take 8 rows of each kind (the word count, not the row count, is what E varies; the
-    # row counts are covered at E <= 32)
+    # row counts are covered at E <= 32), and 128 (four whole words) is left to the GPU: 256 (eight
+    # whole words) and 200 (a partial last word) cover what it would
+    if not HAS_CUDA and E == 128:
+        pytest.skip("the interpreter covers whole words at E = 256 (CI time); the GPU runs 128")
+    M = load_kernels("moe")
     widths = (1, 3, 6, 8) if HAS_CUDA or E <= 32 else (8,)
     for ids in _group_routings(E, seed=E, widths=widths):
         ids = ids.to(_dev())
