@@ -13,10 +13,10 @@ from runtime.engine import Engine
 torch.set_num_threads(1)  # decode shapes are tiny: threads only add contention
 
 
-# Modules whose longest CPU test is long (seconds in CI, session 52: 167, 136 / 76 / 52 / 48 / 39 / 28 / 25), in
-# that order. They run first, each kept whole (their module-scoped fixtures are set up once), so that no long
-# test starts at the end of the run while the other worker idles: under ``--dist worksteal`` a worker steals
-# from the end of another's queue, which then holds the short tests.
+# Modules whose longest CPU test is long (seconds on a 2-core sandbox like the CI host, session 52: 167,
+# 136 / 76 / 52 / 48 / 39 / 28 / 25), in that order. They run first, each kept whole (their module-scoped
+# fixtures are set up once), so that no long test starts at the end of the run while the other worker idles:
+# under ``--dist worksteal`` a worker steals from the end of another's queue, which then holds short tests.
 LONG_FIRST = ("test_tp2_fast.py", "test_stats.py", "test_replay.py", "test_fast_backend.py", "test_speculative.py",
               "test_verdict.py", "kernels/test_moe.py")
 
