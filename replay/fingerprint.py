@@ -108,9 +108,13 @@ def fingerprint_arm(arm, restore) -> dict:
         nodes = hook(rnd, st)
         widths = {int(w): list(v) for w, v in nodes.items()}
     else:
+        # how the engine runs the traced pieces (runtime/graphs.py; a revision before it: eager). The
+        # same launches captured or not are a different step on the host's side, so the execution is
+        # a line of the trace; the eager traces keep their hashes.
+        execution = getattr(arm.engine, "execution", "eager")
         for w in WIDTHS:
             rnd, st = restore()
-            widths[w] = trace_width(rnd, st, w)
+            widths[w] = ([] if execution == "eager" else [f"execution:{execution}"]) + trace_width(rnd, st, w)
     return {"method": method,
             "widths": {w: {"hash": hashlib.sha256("\n".join(ops).encode()).hexdigest(), "n_ops": len(ops),
                            "ops": ops} for w, ops in widths.items()}}

@@ -555,7 +555,8 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
                       int(cfg.get("random_seed") or 0))
         print(f"{arm.describe()}: module {arm.module}, {arm.engine.cfg.name} "
               f"({arm.engine.checkpoint_hash[:24]}), {arm.engine.device}/{arm.rt.dtype}, "
-              f"draft {arm.rt.draft.policy}" + (f", overrides {arm.overrides['runtime']}" if arm.overrides.get("runtime") else ""))
+              f"draft {arm.rt.draft.policy}, {getattr(arm.engine, 'execution', 'eager')}"
+              + (f", overrides {arm.overrides['runtime']}" if arm.overrides.get("runtime") else ""))
     hashes = {label: arm.engine.checkpoint_hash for label, arm in arms.items()}
     if len(set(hashes.values())) > 1:
         raise ReplayError(f"the arms load different checkpoints {hashes}: a paired replay compares runtimes "

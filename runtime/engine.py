@@ -1,8 +1,9 @@
 """The engine: build a model for one arm, prefill a request, and drive the speculative round.
 
 Life of a request: ``start`` (target prefill → first token → draft prefill → first drafts) or a
-restore from a snapshot (``snapshots``) → ``decode`` (the eager host loop: it reads the next width,
-``done`` and the depth decisions between pieces; the pieces themselves never read the host) →
+restore from a snapshot (``snapshots``) → ``decode`` (the host loop: it reads the next width,
+``done`` and the depth decisions between pieces, and runs each piece eagerly or as its captured CUDA
+graph, ``runtime.execution`` and ``graphs``; the pieces themselves never read the host) →
 :class:`Generation` (tokens, the result log as a per-step table, host step timings).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from . import checkpoint as ckpt
 from . import rng
 from .config import (REPO_ROOT, ConfigError, ModelConfig, RuntimeConfig, load_model_config, make_shard,
                      model_config_from_dict, runtime_config_from_dict)
+from .graphs import CapturedPieces, EagerPieces, resolve_execution
 from .model import Model
 from .parallel import make_comm
 from .sampling import draw, filter_dist
@@ -81,6 +83,12 @@ class Engine:
             raise ConfigError(f"backend '{rt.backend}' is not available in this build of the engine; "
                               "use runtime.backend=reference|fast")
         self.checkpoint_hash = checkpoint_hash
+        # eager | captured (runtime/graphs.py); auto picks captured on CUDA where the collectives can be
+        # captured (one rank or rank emulation; torch.distributed over gloo cannot)
+        try:
+            self.execution = resolve_execution(rt.execution, self.device, rt.tp.size == 1 or rt.tp.emulate_rank is not None)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def build(cls, model: str | ModelConfig | dict, runtime: RuntimeConfig | dict | None = None,
@@ -171,19 +179,33 @@ class Engine:
                 break
             rnd.draft_next(st, k)
 
+    def pieces(self, rnd: Round, st: DecodeState) -> CapturedPieces | EagerPieces:
+        """The request's pieces in this engine's execution: captured as CUDA graphs (after an eager
+        warm-up of each, the decode state put back) or called eagerly."""
+        if self.execution == "captured" and not bool(st.done):
+            return CapturedPieces(rnd, st, self.rt.draft)
+        return EagerPieces(rnd, st, self.rt.draft)
+
     def decode(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
-        """The eager host loop. Per step it reads the width, ``done`` and the depth decisions."""
+        """The host loop. Per step it reads the width, ``done`` and the depth decisions, and runs each
+        piece (eagerly, or its captured graph: ``runtime.execution``). A captured decode spends its
+        capture before the first step; the steps' times do not include it."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         delay, delay_timed = self.rt.debug.step_delay_fraction, self.rt.debug.step_delay_timed
+        d = self.rt.draft
         step_ns, step_t0 = [], []
         with torch.no_grad():
+            run = self.pieces(rnd, st)
             while not bool(st.done):
                 w = st.width()
                 t0 = time.perf_counter_ns()
-                rnd.verify(st, w)
+                run.verify(w)
                 if not bool(st.done):
-                    rnd.draft_first(st, w)
-                    self._draft_rest(st, rnd)
+                    run.draft(w)
+                    for k in range(d.min_depth + 1, d.max_depth + 1):
+                        if not bool(st.cont):     # driver-side read, between pieces
+                            break
+                        run.depth(k)
                 sync()
                 dt = time.perf_counter_ns() - t0
                 self.model.check_peers()
