@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 53's device call: bash experiments/results/kernels_s53/call.sh callN, with STEPS (any of gtest bench step paired),
+# Session 53's device call: bash experiments/results/kernels_s53/call.sh callN, with STEPS (any of gtest bench step exec paired),
 # GTESTS (pytest arguments; default: the whole GPU suite), ONLY (bench_kernels --no-sweep; default: every kernel),
-# STEPCTX / STEPBUDGET (bench_step.py --profile), PN / PBUDGET / PARMS (the paired replay: requests, tokens, the arms'
+# STEPCTX / STEPBUDGET (bench_step.py --profile), EXECARGS (bench_execution.py), PN / PBUDGET / PARMS (the paired replay: requests, tokens, the arms'
 # settings; it needs .carry/traces, built on the CPU host: `IQUESTRT_HOME=H python -m snapshots.traces build
 # name=claude400`, then `cp -r H/traces .carry/traces`) and the *TIMEOUT variables in the environment.
 # Writes under $OUT/callN: rev.txt, one log per step, steps.txt, results.tgz.
@@ -18,6 +18,8 @@ for s in ${STEPS:-bench step paired}; do
              --only ${ONLY:-attention,moe,norm,rope,router,sampler,uniform,linear} > "$c/bench.log" 2>&1 ;;
     step) OUT=$c/step PYTHONUNBUFFERED=1 timeout ${STEPTIMEOUT:-150} python3 experiments/bench_step.py \
             --budget-s ${STEPBUDGET:-100} --no-mini --contexts ${STEPCTX:-8192,65536} --profile > "$c/step.log" 2>&1 ;;
+    exec) OUT=$c/exec PYTHONUNBUFFERED=1 timeout ${EXECTIMEOUT:-200} python3 experiments/bench_execution.py ${EXECARGS:-} \
+            > "$c/exec.log" 2>&1 ;;
     paired) export IQUESTRT_HOME=/tmp/iq
             timeout ${PTIMEOUT:-300} python3 -m replay.paired control=WORKTREE candidate=WORKTREE runtime.backend=fast \
               runtime.dtype=bfloat16 runtime.device=cuda \
