@@ -1,6 +1,8 @@
 """Graph fingerprints of an arm: what one step of each width does, compared across arms.
 
-Until the runtime captures CUDA graphs, a step is fingerprinted by its **operator trace**: a
+A step is fingerprinted by its **operator trace** (also where the runtime captures the pieces as CUDA
+graphs, ``runtime.execution``: the graphs hold exactly the launches the trace records, and a captured
+arm's trace starts with the line ``execution:captured``, so captured and eager arms differ): a
 ``TorchDispatchMode`` records every aten operator the step's pieces dispatch, with the shapes and
 dtypes of its tensor arguments and its scalar arguments, while one step per width 4..8 runs on a
 freshly restored request: ``verify(w)``, ``draft_first(w)`` and ``draft_next(k)`` for k = 2..w-1
