@@ -11,8 +11,8 @@ and whether both decodes emitted the same tokens and the same result log.
     python3 experiments/bench_execution.py --models q1 --contexts 16 --tokens 64     # session 53's q1 row
     python experiments/bench_execution.py --dry-run                      # CPU, q1-tiny, eager only
 
-q1 (rank 0 of 8, random weights) needs a short prompt: the engine's q1 holds ~125 GiB on an H200, and
-its reference prefill dequantises each token's 8 experts (256 tokens asked for 48 GiB more).
+q1 (rank 0 of 8, random weights) needs a short prompt: PyTorch held 125 GiB after the engine built it
+on an H200, and its reference prefill dequantises each token's 8 experts (256 tokens asked for 48 GiB more).
 Writes ``$OUT/bench_execution.json`` (every step's time). Times name the machine; compare the two
 executions within one run.
 """
