@@ -3,7 +3,7 @@
 Life of a request: ``start`` (target prefill → first token → draft prefill → first drafts) or a
 restore from a snapshot (``snapshots``) → ``decode`` (the host loop: it reads the next width,
 ``done`` and the depth decisions between pieces, and runs each piece eagerly or as its captured CUDA
-graph, ``runtime.execution`` and ``graphs``; the pieces themselves never read the host) →
+graph: ``runtime.execution``, ``graphs``; the pieces themselves never read the host) →
 :class:`Generation` (tokens, the result log as a per-step table, host step timings).
 """
 from __future__ import annotations
@@ -86,7 +86,8 @@ class Engine:
         # eager | captured (runtime/graphs.py); auto picks captured on CUDA where the collectives can be
         # captured (one rank or rank emulation; torch.distributed over gloo cannot)
         try:
-            self.execution = resolve_execution(rt.execution, self.device, rt.tp.size == 1 or rt.tp.emulate_rank is not None)
+            self.execution = resolve_execution(rt.execution, self.device,
+                                               rt.tp.size == 1 or rt.tp.emulate_rank is not None)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -79,8 +79,8 @@ def test_host_loop_runs_the_pieces_in_the_old_order(policy):
     """Engine.decode (now through EagerPieces) against the loop it replaced, on q1-tiny (CPU). The
     negative control (extra depths cut at 4) must differ, or the comparison could not fail."""
     # (random weights draw ~1/20-probability drafts: a stop rule at log_prob_min -12 runs depths 4-6)
-    eng = Engine.build("q1-tiny", {"device": "cpu", "draft": {"policy": policy, "fixed_depth": 6,
-                                                              "stop_rule": {"log_prob_min": -12.0, "entropy_max": 10.0}}})
+    draft = {"policy": policy, "fixed_depth": 6, "stop_rule": {"log_prob_min": -12.0, "entropy_max": 10.0}}
+    eng = Engine.build("q1-tiny", {"device": "cpu", "draft": draft})
     rnd, st = eng.start(PROMPT, seed=3, max_new_tokens=24)
     r2, s2 = fork_request(rnd, st)
     r3, s3 = fork_request(rnd, st)
