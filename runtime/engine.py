@@ -172,13 +172,16 @@ class Engine:
 
     def _draft_rest(self, st: DecodeState, rnd: Round) -> None:
         """Depths 2..min_depth unconditionally, then further depths while the device says so."""
-        d = self.rt.draft
-        for k in range(2, d.min_depth + 1):
+        for k in range(2, self.rt.draft.min_depth + 1):
             rnd.draft_next(st, k)
-        for k in range(d.min_depth + 1, d.max_depth + 1):
+        self._extra_depths(st, lambda k: rnd.draft_next(st, k))
+
+    def _extra_depths(self, st: DecodeState, depth) -> None:
+        """Depths min_depth+1..max_depth through ``depth(k)`` while the device's ``cont`` says so."""
+        for k in range(self.rt.draft.min_depth + 1, self.rt.draft.max_depth + 1):
             if not bool(st.cont):     # driver-side read, between pieces
                 break
-            rnd.draft_next(st, k)
+            depth(k)
 
     def pieces(self, rnd: Round, st: DecodeState) -> CapturedPieces | EagerPieces:
         """The request's pieces in this engine's execution: captured as CUDA graphs (after an eager
@@ -193,7 +196,6 @@ class Engine:
         capture before the first step; the steps' times do not include it."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         delay, delay_timed = self.rt.debug.step_delay_fraction, self.rt.debug.step_delay_timed
-        d = self.rt.draft
         step_ns, step_t0 = [], []
         with torch.no_grad():
             run = self.pieces(rnd, st)
@@ -203,10 +205,7 @@ class Engine:
                 run.verify(w)
                 if not bool(st.done):
                     run.draft(w)
-                    for k in range(d.min_depth + 1, d.max_depth + 1):
-                        if not bool(st.cont):     # driver-side read, between pieces
-                            break
-                        run.depth(k)
+                    self._extra_depths(st, run.depth)
                 sync()
                 dt = time.perf_counter_ns() - t0
                 self.model.check_peers()
