@@ -261,15 +261,16 @@ class RuntimeConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    # how the engine runs the round's pieces (runtime/graphs.py): eager | captured (a CUDA graph per
-    # piece and width, replayed by the host loop) | auto (captured on CUDA with one rank or rank
-    # emulation, else eager)
+    # how the engine runs the round's pieces: eager | captured (runtime/graphs.py: a CUDA graph per
+    # piece and width, replayed by the host loop) | device (runtime/devloop.py: those graphs in one
+    # parent graph whose conditional nodes run the whole decode; one launch per request) | auto
+    # (captured on CUDA with one rank or rank emulation, else eager)
     execution: str = "auto"
 
     def validate(self) -> "RuntimeConfig":
         p = []
-        if self.execution not in ("auto", "eager", "captured"):
-            p.append(f"execution must be auto|eager|captured, got {self.execution!r}")
+        if self.execution not in ("auto", "eager", "captured", "device"):
+            p.append(f"execution must be auto|eager|captured|device, got {self.execution!r}")
         if self.backend not in ("reference", "fast"):
             p.append(f"backend must be reference|fast, got {self.backend!r}")
         if self.dtype not in ("float32", "bfloat16"):

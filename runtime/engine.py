@@ -3,7 +3,8 @@
 Life of a request: ``start`` (target prefill → first token → draft prefill → first drafts) or a
 restore from a snapshot (``snapshots``) → ``decode`` (the host loop: it reads the next width,
 ``done`` and the depth decisions between pieces, and runs each piece eagerly or as its captured CUDA
-graph: ``runtime.execution``, ``graphs``; the pieces themselves never read the host) →
+graph: ``runtime.execution``, ``graphs``; the pieces themselves never read the host; or the device
+loop, ``devloop``: one launch runs every step) →
 :class:`Generation` (tokens, the result log as a per-step table, host step timings).
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Generation:
     step_ns: list[int] = field(default_factory=list)
     prompt_len: int = 0
     step_t0_ns: list[int] = field(default_factory=list)   # perf_counter_ns at each step's start
+    loop_ns: int = 0     # host time from the first step's start to the last one's end (any execution)
 
     @property
     def tokens_per_step(self) -> float:
@@ -194,11 +196,14 @@ class Engine:
         """The host loop. Per step it reads the width, ``done`` and the depth decisions, and runs each
         piece (eagerly, or its captured graph: ``runtime.execution``). A captured decode spends its
         capture before the first step; the steps' times do not include it."""
+        if self.execution == "device" and not bool(st.done):
+            return self._decode_on_device(rnd, st, on_step)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         delay, delay_timed = self.rt.debug.step_delay_fraction, self.rt.debug.step_delay_timed
         step_ns, step_t0 = [], []
         with torch.no_grad():
             run = self.pieces(rnd, st)
+            loop_t0 = time.perf_counter_ns()
             while not bool(st.done):
                 w = st.width()
                 t0 = time.perf_counter_ns()
@@ -225,6 +230,30 @@ class Engine:
                     on_step(len(step_ns))
         g = self.result(st, step_ns)
         g.step_t0_ns = step_t0
+        g.loop_ns = time.perf_counter_ns() - loop_t0
+        return g
+
+    def _decode_on_device(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
+        """The device loop (``runtime/devloop.py``): built before the first step (the pieces warmed up,
+        captured and cloned into one parent graph), then one launch runs the whole decode. Step times
+        are the device's (%globaltimer at each step's start and end); their host starts are the
+        launch's host time plus the device's offsets."""
+        from .devloop import DeviceLoop
+        with torch.no_grad():
+            loop = DeviceLoop(rnd, st, self.rt.draft, self.rt.debug)
+            t0 = time.perf_counter_ns()
+            loop.launch()
+            torch.cuda.synchronize(self.device)
+            loop_ns = time.perf_counter_ns() - t0
+        loop.check()
+        n = int(st.step)
+        step_ns, offsets = loop.step_times(n)
+        g = self.result(st, step_ns)
+        g.step_t0_ns = [t0 + o for o in offsets]
+        g.loop_ns = loop_ns
+        if on_step is not None:
+            for i in range(n):
+                on_step(i + 1)
         return g
 
     def result(self, st: DecodeState, step_ns: list[int]) -> Generation:

@@ -1,7 +1,7 @@
 """The captured execution: the round's pieces as CUDA graphs, replayed by the engine's host loop.
 
 DESIGN.md, "One step function, three executions": eager, **captured** (this module), and the device
-loop (one parent graph with conditional nodes; not built yet). Per request, after the restore or the
+loop (``runtime/devloop.py``: these graphs cloned into one parent graph with conditional nodes). Per request, after the restore or the
 prefill and the first drafts, each piece the request can run is captured once, at every width or
 depth it can take:
 
@@ -37,11 +37,12 @@ import torch
 
 def resolve_execution(execution: str, device: torch.device, capturable_comm: bool) -> str:
     """``auto``: captured on a CUDA device when the collectives can be captured (one rank, or rank
-    emulation), else eager. ``captured`` where it cannot run is a configuration error."""
+    emulation), else eager. ``captured`` or ``device`` (the device loop) without CUDA is a
+    configuration error."""
     if execution == "auto":
         return "captured" if device.type == "cuda" and capturable_comm else "eager"
-    if execution == "captured" and device.type != "cuda":
-        raise ValueError(f"runtime.execution=captured needs a CUDA device (this engine is on {device}); "
+    if execution in ("captured", "device") and device.type != "cuda":
+        raise ValueError(f"runtime.execution={execution} needs a CUDA device (this engine is on {device}); "
                          "use runtime.execution=eager or auto")
     return execution
 
@@ -97,7 +98,9 @@ class CapturedPieces:
     pool for the set: they replay one after another on one stream and pass values only through the
     state and the caches)."""
 
-    def __init__(self, rnd, st, draft, *, _restore: bool = True):
+    def __init__(self, rnd, st, draft, *, keep_graph: bool = False, _restore: bool = True):
+        """``keep_graph``: keep each piece's ``cudaGraph_t`` and do not instantiate or upload it (the
+        device loop, ``runtime/devloop.py``, clones the graphs into its own parent graph)."""
         eager = EagerPieces(rnd, st, draft)
         widths, depths = reachable(draft)
         saved = {k: v.clone() for k, v in _state_tensors(st).items()}
@@ -129,10 +132,12 @@ class CapturedPieces:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         with torch.no_grad():
             for key, fn in pieces.items():   # a capture records the launches; it runs none of them
-                g = torch.cuda.CUDAGraph()
+                g = torch.cuda.CUDAGraph(keep_graph=keep_graph)
                 with torch.cuda.graph(g, pool=self.pool):
                     fn()
                 self.graphs[key] = g
+        if keep_graph:      # (the device loop uploads its parent graph itself)
+            return
         # Every graph replayed once the same way: a graph's first launch uploads it to the device
         # (measured in session 53: the first two captured steps 735 / 597 us against 410 after).
         every_width(self)
