@@ -159,6 +159,15 @@ def decide(a: Analysis, manifest: dict, alpha: float = ALPHA, aa_fraction: float
     else:
         parts.append(f"bit-exact: {ok}/{n} requests" + ("" if expect else " (not required)"))
 
+    arms = manifest.get("arms") or {}
+    clocks = [(arms.get(k) or {}).get("step_clock") for k in ("control", "candidate")]
+    if all(clocks) and clocks[0] != clocks[1]:
+        flags.append("step_clocks_differ")
+        parts.append(f"step clocks differ (control: {clocks[0]}; candidate: {clocks[1]}): the step and TPOT "
+                     "effects include the clocks' difference")
+        reasons.append("the arms time their steps differently (runtime.execution or the engine's step clock "
+                       "changed): latency effects are not the candidate's work alone")
+
     if aa is None:
         flags.append("no_aa_arm")
         parts.append("no A/A arm")

@@ -257,10 +257,21 @@ class Arm:
                "overrides": self.overrides, "root": str(r.root)}
         if getattr(self, "engine", None) is not None:
             rec["device"] = str(self.engine.device)
+            rec["execution"] = getattr(self.engine, "execution", "eager")
+            rec["step_clock"] = step_clock(self.engine)
         if dataclasses.is_dataclass(self.rt):
             # resolved: the revision's conf/runtime/default.yaml with the overrides (kernels included)
             rec["runtime"] = dataclasses.asdict(self.rt)
         return rec
+
+
+LEGACY_STEP_CLOCK = "host perf_counter, the step's pieces and their sync only"
+
+
+def step_clock(engine) -> str:
+    """What the arm's recorded step durations cover (``Engine.step_clock``; a revision before it timed
+    only each step's pieces, not the host's reads between steps)."""
+    return getattr(engine, "step_clock", LEGACY_STEP_CLOCK)
 
 
 def module_name(label: str, revision: Revision) -> str:

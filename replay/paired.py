@@ -562,6 +562,10 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         raise ReplayError(f"the arms load different checkpoints {hashes}: a paired replay compares runtimes "
                           "of one model (snapshots belong to one checkpoint)")
     print(f"weights loaded {weights.loads}x for {len(arms)} arms")
+    clocks = {label: armsmod.step_clock(arm.engine) for label, arm in arms.items()}
+    if "candidate" in clocks and clocks["candidate"] != clocks["control"]:
+        print(f"note: the arms' step clocks differ (control: {clocks['control']}; candidate: "
+              f"{clocks['candidate']}): step latency and TPOT effects include the difference of the clocks")
     control = arms["control"].engine
 
     # requests and snapshots

@@ -264,7 +264,7 @@ class RuntimeConfig:
     # how the engine runs the round's pieces: eager | captured (runtime/graphs.py: a CUDA graph per
     # piece and width, replayed by the host loop) | device (runtime/devloop.py: those graphs in one
     # parent graph whose conditional nodes run the whole decode; one launch per request) | auto
-    # (captured on CUDA with one rank or rank emulation, else eager)
+    # (device on CUDA with one rank or rank emulation, else eager)
     execution: str = "auto"
 
     def validate(self) -> "RuntimeConfig":

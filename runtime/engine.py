@@ -203,10 +203,11 @@ class Engine:
         step_ns, step_t0 = [], []
         with torch.no_grad():
             run = self.pieces(rnd, st)
-            loop_t0 = time.perf_counter_ns()
+            loop_t0 = t0 = time.perf_counter_ns()
+            # A step runs from the end of the previous one (the host's reads of done and the width are
+            # its cost too) to its own end: the steps tile the loop, as the device loop's stamps do.
             while not bool(st.done):
                 w = st.width()
-                t0 = time.perf_counter_ns()
                 run.verify(w)
                 if not bool(st.done):
                     run.draft(w)
@@ -228,10 +229,17 @@ class Engine:
                 step_t0.append(t0)
                 if on_step is not None:
                     on_step(len(step_ns))
+                t0 = time.perf_counter_ns()     # (an untimed calibration wait and on_step stay out)
         g = self.result(st, step_ns)
         g.step_t0_ns = step_t0
         g.loop_ns = time.perf_counter_ns() - loop_t0
         return g
+
+    @property
+    def step_clock(self) -> str:
+        """What a recorded step duration covers; the replay harness compares its arms' clocks."""
+        return ("device %globaltimer, step to step" if self.execution == "device"
+                else "host perf_counter, step to step")
 
     def _decode_on_device(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
         """The device loop (``runtime/devloop.py``): built before the first step (the pieces warmed up,

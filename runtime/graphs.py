@@ -36,11 +36,11 @@ from dataclasses import fields
 import torch
 
 def resolve_execution(execution: str, device: torch.device, capturable_comm: bool) -> str:
-    """``auto``: captured on a CUDA device when the collectives can be captured (one rank, or rank
-    emulation), else eager. ``captured`` or ``device`` (the device loop) without CUDA is a
+    """``auto``: the device loop (``devloop.py``) on a CUDA device when the collectives can be captured
+    (one rank, or rank emulation), else eager. ``captured`` or ``device`` (the device loop) without CUDA is a
     configuration error."""
     if execution == "auto":
-        return "captured" if device.type == "cuda" and capturable_comm else "eager"
+        return "device" if device.type == "cuda" and capturable_comm else "eager"
     if execution in ("captured", "device") and device.type != "cuda":
         raise ValueError(f"runtime.execution={execution} needs a CUDA device (this engine is on {device}); "
                          "use runtime.execution=eager or auto")

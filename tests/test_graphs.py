@@ -10,6 +10,7 @@ loop's order, and that the replay's fingerprint tells a captured arm from an eag
 """
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -51,7 +52,7 @@ def same_decode(a, b) -> bool:
 def test_execution_resolves_by_device_and_comm():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve_execution("auto", cpu, True) == "eager"
-    assert resolve_execution("auto", gpu, True) == "captured"
+    assert resolve_execution("auto", gpu, True) == "device"     # the device loop (runtime/devloop.py)
     assert resolve_execution("auto", gpu, False) == "eager"      # real TP over gloo: not capturable
     assert resolve_execution("eager", gpu, True) == "eager"
     assert resolve_execution("captured", gpu, False) == "captured"
@@ -90,6 +91,31 @@ def test_host_loop_runs_the_pieces_in_the_old_order(policy):
     widths = {s["width"] for s in new.steps}
     assert widths == {7} if policy == "fixed" else len(widths) >= 2, widths
     assert not same_decode(new, old_loop(eng, r3, s3, stop_early_at=4))
+
+
+def test_host_loop_steps_tile_the_loop_and_count_the_reads_between_pieces(monkeypatch):
+    """A host-loop step runs from the end of the previous one to its own end, so the host's reads of
+    ``done`` and the width are in it (``Engine.step_clock``): a read slowed by 20 ms shows in every
+    step, and the steps add up to the loop's time (the device loop's stamps tile it the same way)."""
+    from runtime.speculative import DecodeState
+    eng = Engine.build("q1-tiny", {"device": "cpu"})
+    assert eng.step_clock == "host perf_counter, step to step"
+    rnd, st = eng.start(PROMPT, seed=3, max_new_tokens=12)
+    slow = 20_000_000
+    real = DecodeState.width
+
+    def slow_width(self):
+        until = time.perf_counter_ns() + slow
+        while time.perf_counter_ns() < until:
+            pass
+        return real(self)
+    monkeypatch.setattr(DecodeState, "width", slow_width)
+    g = eng.decode(rnd, st)
+    assert len(g.steps) >= 3
+    assert min(g.step_ns) >= slow
+    assert sum(g.step_ns) <= g.loop_ns <= sum(g.step_ns) + 5_000_000
+    for t0, dt, t1 in zip(g.step_t0_ns, g.step_ns, g.step_t0_ns[1:]):
+        assert 0 <= t1 - (t0 + dt) < 1_000_000     # contiguous: no untimed gap between steps
 
 
 def test_fingerprint_tells_a_captured_arm_from_an_eager_one():
@@ -137,7 +163,7 @@ def test_gpu_captured_decode_is_the_eager_decode(case):
         pytest.skip("needs CUDA")
     model, rt = GPU_CASES[case]
     eng = Engine.build(model, {"device": "cuda", **rt})
-    assert eng.execution == "captured"       # the default on one GPU
+    assert eng.execution == "device"         # the default on one GPU: the device loop (test_devloop.py)
     prompt = gpu_prompt(model)
     widths = set()
     for seed in range(3):

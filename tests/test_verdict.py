@@ -248,3 +248,32 @@ def test_host_contention_flag_and_its_scope():
     unmeasured = _host_requests(contended=30).assign(cpu_ns=-1)
     assert stats.host_contention(unmeasured, CPU_MANIFEST) is None
     assert stats.host_contention(_host_requests().drop(columns="cpu_ns"), CPU_MANIFEST) is None
+
+
+def test_step_clocks_that_differ_are_flagged():
+    """Arms whose steps are timed differently (the device loop's %globaltimer against the host loop's
+    perf_counter, or a revision from before the host loop counted its reads between steps) get a flag
+    and a caveat in the headline; the same clock on both sides, or a manifest without clocks, none."""
+    def manifest(control, candidate):
+        return {**MANIFEST, "arms": {"control": {"step_clock": control}, "candidate": {"step_clock": candidate}}}
+
+    host, dev = "host perf_counter, step to step", "device %globaltimer, step to step"
+    v = verdict.decide(hand_built(), manifest(host, dev))
+    assert "step_clocks_differ" in v.flags
+    assert "step clocks differ (control: host perf_counter" in v.headline
+    for same in (manifest(host, host), manifest(dev, dev), MANIFEST):
+        assert "step_clocks_differ" not in verdict.decide(hand_built(), same).flags
+
+
+def test_an_arms_step_clock_defaults_to_the_legacy_one():
+    """An engine from before ``Engine.step_clock`` timed only each step's pieces; the harness names
+    that clock, so a run against such a control is flagged by the rule above."""
+    import types
+
+    from replay import arms
+    from runtime.engine import Engine
+    assert arms.step_clock(types.SimpleNamespace(execution="captured")) == arms.LEGACY_STEP_CLOCK
+    eng = Engine.build("q1-tiny", {"device": "cpu"})
+    assert arms.step_clock(eng) == "host perf_counter, step to step" != arms.LEGACY_STEP_CLOCK
+    eng.execution = "device"
+    assert arms.step_clock(eng) == "device %globaltimer, step to step"
