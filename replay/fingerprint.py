@@ -2,7 +2,8 @@
 
 A step is fingerprinted by its **operator trace** (also where the runtime captures the pieces as CUDA
 graphs, ``runtime.execution``: the graphs hold exactly the launches the trace records, and a captured
-arm's trace starts with the line ``execution:captured``, so captured and eager arms differ): a
+or device-loop arm's trace starts with the line ``execution:captured`` or ``execution:device``, so the
+executions differ): a
 ``TorchDispatchMode`` records every aten operator the step's pieces dispatch, with the shapes and
 dtypes of its tensor arguments and its scalar arguments, while one step per width 4..8 runs on a
 freshly restored request: ``verify(w)``, ``draft_first(w)`` and ``draft_next(k)`` for k = 2..w-1
@@ -110,9 +111,9 @@ def fingerprint_arm(arm, restore) -> dict:
         nodes = hook(rnd, st)
         widths = {int(w): list(v) for w, v in nodes.items()}
     else:
-        # how the engine runs the traced pieces (runtime/graphs.py; a revision before it: eager). The
-        # same launches captured or not are a different step on the host's side, so the execution is
-        # a line of the trace; the eager traces keep their hashes.
+        # how the engine runs the traced pieces (runtime/graphs.py, devloop.py; a revision before them:
+        # eager). The same launches run another way are a different step on the host's side, so the
+        # execution is a line of the trace; the eager traces keep their hashes.
         execution = getattr(arm.engine, "execution", "eager")
         for w in WIDTHS:
             rnd, st = restore()
