@@ -75,13 +75,16 @@ def bench(model: str, ctx: int, tokens: int, seed: int, executions: list[str]) -
     forks = [(rnd, st)] + [fork_request(rnd, st) for _ in execs[1:]]
     rows, ref = [], None
     for ex, (r, s) in zip(execs, forks):
-        eng.execution = ex             # the same engine and weights, each execution from the same state
+        # the same engine and weights, each execution from the same state ("device-flat": the device
+        # loop with its extra depths' IFs one after another, not nested)
+        eng.execution = "device" if ex.startswith("device") else ex
+        eng._devloop_options = {"nested": False} if ex == "device-flat" else {}
         got, got_s = decode_timed(eng, r, s)
         ref = ref or got
         rows.append(row(model, ctx, ex, got, got_s, got.tokens == ref.tokens and got.steps == ref.steps))
     for r in rows:
         ROWS.append(r)
-        log(f"{r['model']:<8} {r['context']:>7} {r['execution']:<9} {r['steps']:>5} {r['step_us']:>10.1f} "
+        log(f"{r['model']:<8} {r['context']:>7} {r['execution']:<11} {r['steps']:>5} {r['step_us']:>10.1f} "
             f"{r['tpot_us']:>10.1f} {r['loop_tpot_us']:>10.1f} {r['first_us'][0]:>9.0f} {r['first_us'][-1]:>9.0f} "
             f"{r['before_steps_ms']:>11.1f} {r['tokens_per_step']:>8.2f} {'yes' if r['identical'] else 'NO'}")
     for r in rows[1:]:
@@ -99,18 +102,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96, help="output budget per decode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--executions", default="eager,captured,device",
-                    help="comma-separated, the first the reference of the ratios (eager | captured | device)")
+                    help="comma-separated, the first the reference of the ratios (eager | captured | device | "
+                         "device-flat: the device loop with its depth IFs one after another, not nested)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, q1-tiny, eager only: checks the script")
     args = ap.parse_args()
     models = ["q1-tiny"] if DRY_RUN else args.models.split(",")
     contexts = [64] if DRY_RUN else [int(c) for c in args.contexts.split(",")]
     log(f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}; {args.tokens} tokens per decode")
-    log(f"{'model':<8} {'context':>7} {'execution':<9} {'steps':>5} {'step us':>10} {'TPOT us':>10} {'loop TPOT':>10} "
+    log(f"{'model':<8} {'context':>7} {'execution':<11} {'steps':>5} {'step us':>10} {'TPOT us':>10} {'loop TPOT':>10} "
         f"{'step0 us':>9} {'step1 us':>9} {'before ms':>11} {'tok/step':>8} same")
     for m in models:
         for c in contexts:
             bench(m, c, args.tokens, args.seed, args.executions.split(","))
-    if CUDA and "device" in args.executions.split(","):
+    if CUDA and any(e.startswith("device") for e in args.executions.split(",")):
         from runtime.devloop import control_kernels
         log(f"device loop's control kernels compiled by {control_kernels(DEV)['_compiler']}")
     path = write_results("bench_execution", {"args": vars(args), "device": str(DEV)}, ROWS)

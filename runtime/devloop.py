@@ -13,7 +13,8 @@ host launches once per request and reads the result log at the end. The pieces' 
       verified       control kernel: h_loop = h_draft = not done; h_first = the width's index
       IF h_draft
         SWITCH h_first   draft[w]: depth 1 over the w rows, then depths 2..min_depth
-        for each extra depth k:   control kernel h_k = cont;   IF h_k: depth[k]
+        control kernel h_k = cont;  IF h_k: depth[k], then the next extra depth's kernel and IF inside
+                         (nested: once cont is false, no further control kernel runs)
     end              control kernel: close the last step's times
 
 which launches the eager loop's pieces in the eager loop's order (an extra depth that does not run
@@ -249,10 +250,13 @@ class DeviceLoop:
     warmed up, captured and cloned in; the parent instantiated and uploaded) before the first step;
     :meth:`launch` runs the whole decode; :meth:`check` and :meth:`step_times` read what it left."""
 
-    def __init__(self, rnd, st, draft, debug=None, *, _every_depth: bool = False, _restore: bool = True,
-                 _max_steps: int | None = None):
-        """``_every_depth`` (the depth conditions read a constant true, not ``cont``), ``_restore`` (see
-        CapturedPieces) and ``_max_steps`` (a lower step bound) are the tests' negative controls."""
+    def __init__(self, rnd, st, draft, debug=None, *, nested: bool = True, _every_depth: bool = False,
+                 _restore: bool = True, _max_steps: int | None = None):
+        """``nested``: each extra depth's IF inside the previous one's body, so a step whose ``cont`` is
+        false runs no further control kernel (else one after another, each evaluated; the same
+        decode). ``_every_depth`` (the depth conditions read a constant true, not ``cont``),
+        ``_restore`` (see CapturedPieces) and ``_max_steps`` (a lower step bound) are the tests'
+        negative controls."""
         _, rt = _bindings()
         self.rt, self.st = rt, st
         dev = st.tokens.device
@@ -299,10 +303,13 @@ class DeviceLoop:
             b.child(raw[("draft", w)])
         self._true = torch.ones((), dtype=torch.bool, device=dev)
         cont = self._true if _every_depth else st.cont
+        chain = drafting
         for k in depths:     # (after a depth that did not run, cont stays false: the later ones skip too)
-            drafting.kernel(funcs["iq_loop_depth"], [(int(h_depth[k]), U64), a(cont)])
-            (b,) = drafting.conditional("if", h_depth[k])
+            chain.kernel(funcs["iq_loop_depth"], [(int(h_depth[k]), U64), a(cont)])
+            (b,) = chain.conditional("if", h_depth[k])
             b.child(raw[("depth", k)])
+            if nested:
+                chain = b
         self.exec = _ok(rt.cudaGraphInstantiate(self.graph, 0), "cudaGraphInstantiate")
         self.stream = torch.cuda.current_stream(dev)
         _ok(rt.cudaGraphUpload(self.exec, self._stream()), "cudaGraphUpload")

@@ -248,7 +248,8 @@ class Engine:
         launch's host time plus the device's offsets."""
         from .devloop import DeviceLoop
         with torch.no_grad():
-            loop = DeviceLoop(rnd, st, self.rt.draft, self.rt.debug)
+            # (_devloop_options: a benchmark's A/B of the loop's layout, e.g. {"nested": False})
+            loop = DeviceLoop(rnd, st, self.rt.draft, self.rt.debug, **getattr(self, "_devloop_options", {}))
             t0 = time.perf_counter_ns()
             loop.launch()
             torch.cuda.synchronize(self.device)

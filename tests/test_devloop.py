@@ -3,7 +3,8 @@ whole decode must decode exactly what the eager host loop decodes.
 
 GPU tests compare, from one started request, an eager decode with a device-loop decode: the same
 tokens and the same result log (every column), for the fast backend and the reference, under the stop
-rule (several widths and depths in one decode) and the fixed policy. Negative controls: the depth
+rule (several widths and depths in one decode) and the fixed policy; the extra depths' IFs nested
+(the default) and one after another. Negative controls: the depth
 conditions wired to a constant true instead of the state's ``cont`` (every depth runs), and the
 warm-up's state changes left in place; the comparison must reject both. The failure exits (a width
 nothing was captured for; the step bound) must be reported, never hang. The step stamps must hold
@@ -123,6 +124,21 @@ def test_gpu_device_loop_decode_is_the_eager_decode(case):
         assert got.step_t0_ns == sorted(got.step_t0_ns)
     if eng.rt.draft.policy == "stop_rule":
         assert len(widths) >= 2, f"the stop rule's decodes visited one width only ({widths}): a weak check"
+
+
+@pytest.mark.gpu
+def test_gpu_flat_depth_layout_decodes_the_same():
+    """The extra depths' IFs one after another (``nested=False``, every control kernel evaluated)
+    instead of nested: the same decode as eager under the stop rule, whose depths vary."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    eng = Engine.build("q1-mini", {"device": "cuda", "backend": "fast", "dtype": "bfloat16"})
+    drafts = set()
+    for seed in range(2):
+        ref, got = eager_and_device(eng, gpu_prompt("q1-mini"), seed, 48, {"nested": False})
+        assert same_decode(got, ref)
+        drafts |= {s["next_drafts"] for s in ref.steps}
+    assert len(drafts - {0}) >= 2, drafts
 
 
 @pytest.mark.gpu
