@@ -7,8 +7,9 @@ steps, the median step and time per output token (the first step left out; host-
 the host loops, as the replay records them, %globaltimer stamps for the device loop), the loop's
 host time per output token (first step's start to the last one's end, every step: the like-for-like
 column), the first two steps, the time spent before the first step (captures: the eager warm-up of
-every piece, the captures, one replay or the parent graph's upload) and whether each decode emitted
-the first one's tokens and result log.
+every piece, the captures, one replay or the parent graph's upload; for ``device-again``, the graphs
+kept from the ``device`` row, only the request's copy into their buffers) and whether each decode
+emitted the first one's tokens and result log.
 
     OUT=... python3 experiments/bench_execution.py --models q1-mini      # q1-mini at 2K and 32K
     python3 experiments/bench_execution.py --models q1 --contexts 16 --tokens 64     # rank-emulated q1
@@ -76,7 +77,8 @@ def bench(model: str, ctx: int, tokens: int, seed: int, executions: list[str]) -
     rows, ref = [], None
     for ex, (r, s) in zip(execs, forks):
         # the same engine and weights, each execution from the same state ("device-flat": the device
-        # loop with its extra depths' IFs one after another, not nested)
+        # loop with its extra depths' IFs one after another, not nested; "device-again": the device
+        # loop once more, its graphs kept from the row before: runtime.reuse_graphs)
         eng.execution = "device" if ex.startswith("device") else ex
         eng._devloop_options = {"nested": False} if ex == "device-flat" else {}
         got, got_s = decode_timed(eng, r, s)
@@ -101,9 +103,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,32768", help="prompt lengths (random tokens)")
     ap.add_argument("--tokens", type=int, default=96, help="output budget per decode")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--executions", default="eager,captured,device",
+    ap.add_argument("--executions", default="eager,captured,device,device-again",
                     help="comma-separated, the first the reference of the ratios (eager | captured | device | "
-                         "device-flat: the device loop with its depth IFs one after another, not nested)")
+                         "device-flat: the device loop with its depth IFs one after another, not nested | "
+                         "device-again: the device loop reusing the graphs the row before built)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, q1-tiny, eager only: checks the script")
     args = ap.parse_args()
     models = ["q1-tiny"] if DRY_RUN else args.models.split(",")

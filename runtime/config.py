@@ -266,9 +266,15 @@ class RuntimeConfig:
     # parent graph whose conditional nodes run the whole decode; one launch per request) | auto
     # (device on CUDA with one rank or rank emulation, else eager)
     execution: str = "auto"
+    # the device loop's graphs built once per engine and reused by every request that fits them (its
+    # state and caches copied into buffers at fixed addresses, runtime/devloop.py: LoopSlot); false:
+    # built per request
+    reuse_graphs: bool = True
 
     def validate(self) -> "RuntimeConfig":
         p = []
+        if not isinstance(self.reuse_graphs, bool):
+            p.append(f"reuse_graphs must be true|false, got {self.reuse_graphs!r}")
         if self.execution not in ("auto", "eager", "captured", "device"):
             p.append(f"execution must be auto|eager|captured|device, got {self.execution!r}")
         if self.backend not in ("reference", "fast"):

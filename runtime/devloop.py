@@ -34,6 +34,7 @@ Graph construction uses ``cuda.bindings`` (the runtime API; the driver API for t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -174,6 +175,25 @@ def compile_control(arch: str) -> tuple[bytes, str]:
         raise DeviceLoopError(f"{e} (NVRTC: {first})") from None
 
 
+def unavailable() -> str | None:
+    """Why the device loop cannot run in this process (None: it can): cuda-python, and NVRTC or nvcc
+    to compile the control kernels."""
+    try:
+        _bindings()
+    except DeviceLoopError:
+        return "cuda-python is not installed (pip install 'iquestrt[gpu]')"
+    try:
+        from cuda.bindings import nvrtc
+        if int(nvrtc.nvrtcVersion()[0]) == 0:
+            return None
+    except Exception:      # NVRTC's library not found: nvcc may still compile
+        pass
+    if shutil.which("nvcc") or (os.environ.get("CUDA_HOME")
+                                and os.path.exists(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))):
+        return None
+    return "neither NVRTC's library nor nvcc is available to compile the loop's control kernels"
+
+
 _FUNCS: dict[int, dict] = {}      # device index → kernel name → CUfunction (this copy of runtime only)
 
 
@@ -250,9 +270,10 @@ class DeviceLoop:
     warmed up, captured and cloned in; the parent instantiated and uploaded) before the first step;
     :meth:`launch` runs the whole decode; :meth:`check` and :meth:`step_times` read what it left."""
 
-    def __init__(self, rnd, st, draft, debug=None, *, nested: bool = True, _every_depth: bool = False,
-                 _restore: bool = True, _max_steps: int | None = None):
-        """``nested``: each extra depth's IF inside the previous one's body, so a step whose ``cont`` is
+    def __init__(self, rnd, st, draft, debug=None, *, budget: int | None = None, nested: bool = True,
+                 _every_depth: bool = False, _restore: bool = True, _max_steps: int | None = None):
+        """``budget``: the largest output budget the loop serves (its step bound and stamp buffer;
+        default: the state's own). ``nested``: each extra depth's IF inside the previous one's body, so a step whose ``cont`` is
         false runs no further control kernel (else one after another, each evaluated; the same
         decode). ``_every_depth`` (the depth conditions read a constant true, not ``cont``),
         ``_restore`` (see CapturedPieces) and ``_max_steps`` (a lower step bound) are the tests'
@@ -269,8 +290,9 @@ class DeviceLoop:
         self.pieces = CapturedPieces(rnd, st, draft, keep_graph=True, _restore=_restore)
         raw = {k: g.raw_cuda_graph() for k, g in self.pieces.graphs.items()}
         # (each step emits at least one token until the budget is spent: budget steps reach done)
-        self.max_steps = int(st.budget) if _max_steps is None else _max_steps
-        self.cap = int(st.budget) + 2
+        budget = int(st.budget) if budget is None else budget
+        self.max_steps = budget if _max_steps is None else _max_steps
+        self.cap = budget + 2
         self.stamps = torch.zeros(self.cap, 2, dtype=torch.int64, device=dev)   # (start, end) ns per step
         self.cur = torch.zeros(1, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -344,3 +366,64 @@ class DeviceLoop:
                 self.rt.cudaGraphDestroy(self.graph)
         except Exception:     # (interpreter shutdown: the bindings may be gone already)
             pass
+
+
+# ---- graphs across requests ------------------------------------------------------------------------
+def _full_slots(rnd) -> int:
+    return max((c.slots for c in rnd.cache.all if c.kind == "full"), default=0)
+
+
+class LoopSlot:
+    """A device loop kept across requests (``runtime.reuse_graphs``): a decode state and caches at fixed
+    addresses, which its graphs hold. :meth:`load` copies a request's state and caches in (the state's
+    per-token buffers and the full layers' slots as a prefix; slots past it are labelled empty), and
+    :meth:`store` copies them back after the decode, so the request's own objects end as a decode of
+    their own would leave them. Built for a capacity (full-layer slots) and an output budget; a request
+    that needs more, or other sampling or draft settings, needs a new slot (``fits``)."""
+
+    def __init__(self, round_for, rnd, st, draft, debug, capacity: int, budget: int, **loop_kw):
+        self.capacity, self.budget, self.draft = capacity, budget, draft
+        self.rnd = round_for(capacity)
+        pad = {"out": budget + 8, "log": budget + 1}
+        self.st = dataclasses.replace(st, **{
+            f.name: torch.zeros((pad[f.name],) + tuple(getattr(st, f.name).shape[1:]),
+                                dtype=getattr(st, f.name).dtype, device=getattr(st, f.name).device)
+            if f.name in pad else getattr(st, f.name).clone()
+            for f in dataclasses.fields(st)})
+        self.load(rnd, st)
+        self.loop = DeviceLoop(self.rnd, self.st, draft, debug, budget=budget, **loop_kw)
+
+    def fits(self, rnd, st, draft) -> bool:
+        return (draft == self.draft and _full_slots(rnd) <= self.capacity and int(st.budget) <= self.budget
+                and st.stop_ids.shape == self.st.stop_ids.shape
+                and [c.slots for c in rnd.cache.all if c.kind != "full"]
+                == [c.slots for c in self.rnd.cache.all if c.kind != "full"])
+
+    def load(self, rnd, st, *, _caches: bool = True) -> None:
+        """(``_caches=False``: the tests' negative control, the previous request's caches left in.)"""
+        for f in dataclasses.fields(st):
+            src, dst = getattr(st, f.name), getattr(self.st, f.name)
+            if src.dim() == 0 or src.shape == dst.shape:
+                dst.copy_(src)
+            else:
+                n = src.shape[0]
+                dst[:n].copy_(src)
+                dst[n:].zero_()
+        if not _caches:
+            return
+        for src, dst in zip(rnd.cache.all, self.rnd.cache.all):
+            n = src.slots
+            dst.k[:, :n].copy_(src.k)
+            dst.v[:, :n].copy_(src.v)
+            dst.labels[:n].copy_(src.labels)
+            dst.labels[n:].fill_(-1)
+
+    def store(self, rnd, st) -> None:
+        for f in dataclasses.fields(st):
+            dst, src = getattr(st, f.name), getattr(self.st, f.name)
+            dst.copy_(src if src.dim() == 0 else src[:dst.shape[0]])
+        for dst, src in zip(rnd.cache.all, self.rnd.cache.all):
+            n = dst.slots
+            dst.k.copy_(src.k[:, :n])
+            dst.v.copy_(src.v[:, :n])
+            dst.labels.copy_(src.labels[:n])

@@ -85,11 +85,16 @@ class Engine:
             raise ConfigError(f"backend '{rt.backend}' is not available in this build of the engine; "
                               "use runtime.backend=reference|fast")
         self.checkpoint_hash = checkpoint_hash
-        # eager | captured (runtime/graphs.py); auto picks captured on CUDA where the collectives can be
-        # captured (one rank or rank emulation; torch.distributed over gloo cannot)
+        # eager | captured (runtime/graphs.py) | device (runtime/devloop.py); auto picks the device loop
+        # on CUDA where the collectives can be captured (one rank or rank emulation; torch.distributed
+        # over gloo cannot), the captured execution there if the device loop cannot run in this process
         try:
+            loop_missing = None
+            if self.device.type == "cuda" and rt.execution in ("auto", "device"):
+                from .devloop import unavailable
+                loop_missing = unavailable()
             self.execution = resolve_execution(rt.execution, self.device,
-                                               rt.tp.size == 1 or rt.tp.emulate_rank is not None)
+                                               rt.tp.size == 1 or rt.tp.emulate_rank is not None, loop_missing)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -193,9 +198,10 @@ class Engine:
         return EagerPieces(rnd, st, self.rt.draft)
 
     def decode(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
-        """The host loop. Per step it reads the width, ``done`` and the depth decisions, and runs each
-        piece (eagerly, or its captured graph: ``runtime.execution``). A captured decode spends its
-        capture before the first step; the steps' times do not include it."""
+        """The whole decode. Under ``runtime.execution=device`` one launch of the device loop
+        (``_decode_on_device``); otherwise the host loop: per step it reads the width, ``done`` and the
+        depth decisions, and runs each piece (eagerly, or its captured graph). Graphs are built before
+        the first step; the steps' times do not include it."""
         if self.execution == "device" and not bool(st.done):
             return self._decode_on_device(rnd, st, on_step)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -247,13 +253,21 @@ class Engine:
         are the device's (%globaltimer at each step's start and end); their host starts are the
         launch's host time plus the device's offsets."""
         from .devloop import DeviceLoop
+        # (_devloop_options: a benchmark's or a test's variant of the loop, e.g. {"nested": False})
+        opts = getattr(self, "_devloop_options", {})
+        slot = None
         with torch.no_grad():
-            # (_devloop_options: a benchmark's A/B of the loop's layout, e.g. {"nested": False})
-            loop = DeviceLoop(rnd, st, self.rt.draft, self.rt.debug, **getattr(self, "_devloop_options", {}))
+            if self.rt.reuse_graphs:
+                slot = self._loop_slot(rnd, st, opts)
+                loop = slot.loop
+            else:
+                loop = DeviceLoop(rnd, st, self.rt.draft, self.rt.debug, **opts)
             t0 = time.perf_counter_ns()
             loop.launch()
             torch.cuda.synchronize(self.device)
             loop_ns = time.perf_counter_ns() - t0
+            if slot is not None:
+                slot.store(rnd, st)
         loop.check()
         n = int(st.step)
         step_ns, offsets = loop.step_times(n)
@@ -264,6 +278,28 @@ class Engine:
             for i in range(n):
                 on_step(i + 1)
         return g
+
+    def _loop_slot(self, rnd: Round, st: DecodeState, opts: dict):
+        """This engine's device loop kept across requests, the request copied in; built again (larger)
+        when the request does not fit. Capacity: the request's full-layer slots rounded up to a power of
+        two, at least doubled on a rebuild, within the model's max_context (never below the request's)."""
+        from .devloop import LoopSlot, _full_slots
+        slot = getattr(self, "_slot", None)
+        if slot is not None and slot.fits(rnd, st, self.rt.draft) and getattr(slot, "opts", None) == opts:
+            slot.load(rnd, st, **({"_caches": False} if opts.get("_stale_caches") else {}))
+            return slot
+        need, budget = _full_slots(rnd), int(st.budget)
+        need = max(need, min(self.cfg.max_context, 1 << (need - 1).bit_length()))   # a power of two
+        if slot is not None:
+            need = max(need, min(self.cfg.max_context, 2 * slot.capacity))
+            budget = max(budget, slot.budget)
+            self._slot = slot = None
+            torch.cuda.empty_cache()
+        loop_opts = {k: v for k, v in opts.items() if k != "_stale_caches"}
+        slot = LoopSlot(self.new_round, rnd, st, self.rt.draft, self.rt.debug, need, budget, **loop_opts)
+        slot.opts = opts
+        self._slot = slot
+        return slot
 
     def result(self, st: DecodeState, step_ns: list[int]) -> Generation:
         self.model.check_peers()    # the fused all-reduce's failure exit, reported (PeerTimeout)

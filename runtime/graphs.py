@@ -1,9 +1,9 @@
 """The captured execution: the round's pieces as CUDA graphs, replayed by the engine's host loop.
 
 DESIGN.md, "One step function, three executions": eager, **captured** (this module), and the device
-loop (``runtime/devloop.py``: these graphs cloned into one parent graph with conditional nodes). Per request, after the restore or the
-prefill and the first drafts, each piece the request can run is captured once, at every width or
-depth it can take:
+loop (``runtime/devloop.py``: these graphs cloned into one parent graph with conditional nodes). Per
+request, after the restore or the prefill and the first drafts, each piece the request can run is
+captured once, at every width or depth it can take:
 
   verify[w]   ``rnd.verify(st, w)``                                     w = 1 + drafts
   draft[w]    ``rnd.draft_first(st, w)``, then ``draft_next(st, k)`` for k = 2..min_depth
@@ -35,15 +35,22 @@ from dataclasses import fields
 
 import torch
 
-def resolve_execution(execution: str, device: torch.device, capturable_comm: bool) -> str:
+def resolve_execution(execution: str, device: torch.device, capturable_comm: bool,
+                      device_loop: str | None = None) -> str:
     """``auto``: the device loop (``devloop.py``) on a CUDA device when the collectives can be captured
-    (one rank, or rank emulation), else eager. ``captured`` or ``device`` (the device loop) without CUDA is a
-    configuration error."""
+    (one rank, or rank emulation), the captured execution there if the device loop cannot run here
+    (``device_loop``: why not, e.g. no cuda-python), else eager. ``captured`` or ``device`` without
+    CUDA, and ``device`` where it cannot run, are configuration errors."""
     if execution == "auto":
-        return "device" if device.type == "cuda" and capturable_comm else "eager"
+        if device.type != "cuda" or not capturable_comm:
+            return "eager"
+        return "device" if device_loop is None else "captured"
     if execution in ("captured", "device") and device.type != "cuda":
         raise ValueError(f"runtime.execution={execution} needs a CUDA device (this engine is on {device}); "
                          "use runtime.execution=eager or auto")
+    if execution == "device" and device_loop is not None:
+        raise ValueError(f"runtime.execution=device cannot run here: {device_loop}; "
+                         "use runtime.execution=captured or auto")
     return execution
 
 

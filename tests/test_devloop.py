@@ -22,12 +22,9 @@ from runtime.config import ConfigError, DraftConfig
 from runtime.engine import Engine
 from runtime.graphs import fork_request, resolve_execution
 
+from tests.test_graphs import GPU_CASES, PROMPT, gpu_prompt, same_decode   # the captured execution's cases
+
 HAS_CUDA = torch.cuda.is_available()
-PROMPT = [1, 17, 29, 3, 88, 5, 41, 9, 120, 7, 33, 64, 2, 19, 250, 11]
-
-
-def same_decode(a, b) -> bool:
-    return a.tokens == b.tokens and a.steps == b.steps
 
 
 # ------------------------------------------------------------------------------------------ CPU tests
@@ -39,6 +36,30 @@ def test_device_execution_needs_cuda():
         Engine.build("q1-tiny", {"device": "cpu", "execution": "device"})
     with pytest.raises(ConfigError, match=r"execution must be auto\|eager\|captured\|device"):
         Engine.build("q1-tiny", {"device": "cpu", "execution": "loop"})
+
+
+def test_auto_falls_back_to_captured_where_the_device_loop_cannot_run(monkeypatch):
+    """No cuda-python, or neither NVRTC nor nvcc: ``auto`` picks the captured execution on one GPU, and
+    an explicit ``device`` is a configuration error naming why."""
+    from runtime import devloop
+    gpu = torch.device("cuda")
+    assert resolve_execution("auto", gpu, True, "no cuda-python") == "captured"
+    assert resolve_execution("auto", gpu, False, "no cuda-python") == "eager"
+    with pytest.raises(ValueError, match="execution=device cannot run here: no cuda-python"):
+        resolve_execution("device", gpu, True, "no cuda-python")
+    if shutil.which("nvcc"):
+        assert devloop.unavailable() is None
+    monkeypatch.setattr(devloop.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+
+    class NoNvrtc:
+        @staticmethod
+        def nvrtcVersion():
+            raise RuntimeError("libnvrtc.so not found")
+    import cuda.bindings
+    monkeypatch.setattr(cuda.bindings, "nvrtc", NoNvrtc, raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "cuda.bindings.nvrtc", NoNvrtc)
+    assert "neither NVRTC's library nor nvcc" in devloop.unavailable()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -59,24 +80,6 @@ def test_control_kernels_compile_for_sm90():
 
 
 # ------------------------------------------------------------------------------------------ GPU tests
-GPU_CASES = {
-    "mini-fast-stop_rule": ("q1-mini", {"backend": "fast", "dtype": "bfloat16"}),
-    "mini-reference-bf16-stop_rule": ("q1-mini", {"dtype": "bfloat16"}),
-    "mini-reference-fp32-fixed7": ("q1-mini", {"draft": {"policy": "fixed", "fixed_depth": 7}}),
-    "tiny-fast-fixed4": ("q1-tiny", {"backend": "fast", "dtype": "bfloat16",
-                                      "draft": {"policy": "fixed", "fixed_depth": 4}}),
-}
-
-
-def gpu_prompt(model: str):
-    if model == "q1-tiny":
-        return PROMPT * 8
-    from snapshots import chat
-    code = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return f.read().splitlines()\n"
-    return chat.render([{"role": "user", "content": "Read util.py and explain it"},
-                        {"role": "tool_result", "content": code * 6}])
-
-
 def eager_and_device(eng, prompt, seed, budget, loop_kwargs=None, debug=None):
     """(eager decode, device-loop decode) of one started request; ``loop_kwargs`` go to DeviceLoop
     (the negative controls' switches)."""
@@ -90,8 +93,8 @@ def eager_and_device(eng, prompt, seed, budget, loop_kwargs=None, debug=None):
         real = devloop.DeviceLoop
 
         class Patched(real):
-            def __init__(self, r, s, d, dbg=None):
-                super().__init__(r, s, d, dbg, **loop_kwargs)
+            def __init__(self, r, s, d, dbg=None, **kw):
+                super().__init__(r, s, d, dbg, **{**kw, **loop_kwargs})
         devloop.DeviceLoop = Patched
     try:
         got = eng.decode(r2, s2)
@@ -124,6 +127,36 @@ def test_gpu_device_loop_decode_is_the_eager_decode(case):
         assert got.step_t0_ns == sorted(got.step_t0_ns)
     if eng.rt.draft.policy == "stop_rule":
         assert len(widths) >= 2, f"the stop rule's decodes visited one width only ({widths}): a weak check"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stale", [False, True])
+def test_gpu_graphs_reused_across_requests(stale):
+    """One engine's loop (``runtime.reuse_graphs``) serves requests of other prompts and lengths in turn:
+    each decodes as its eager twin; a longer one rebuilds the slot larger. Negative control
+    (``stale``): the caches of the request before left in the slot; the next request must differ."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    from snapshots import chat
+    eng = Engine.build("q1-mini", {"device": "cuda", "backend": "fast", "dtype": "bfloat16"})
+    if stale:
+        eng._devloop_options = {"_stale_caches": True}
+    code = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
+    prompts = [gpu_prompt("q1-mini"),
+               chat.render([{"role": "user", "content": "Write a stack class"}, {"role": "tool_result", "content": code * 3}]),
+               chat.render([{"role": "user", "content": "Explain this module"}, {"role": "tool_result", "content": code * 40}])]
+    slots, same = [], []
+    for i, prompt in enumerate(prompts):
+        ref, got = eager_and_device(eng, prompt, seed=i, budget=48)
+        same.append(same_decode(got, ref))
+        slots.append((id(eng._slot), eng._slot.capacity))
+    print(f"slots (id, capacity) per request: {slots}; same as eager: {same}")
+    if stale:
+        assert not all(same[1:]), "stale caches went unnoticed: the comparison cannot fail"
+    else:
+        assert all(same), same
+        assert slots[0][0] == slots[1][0], "the second, shorter request should have reused the slot"
+        assert slots[2][1] > slots[0][1], "the longest request should have rebuilt the slot larger"
 
 
 @pytest.mark.gpu
