@@ -341,7 +341,10 @@ class DeviceLoop:
         return self.rt.cudaStream_t(init_value=self.stream.cuda_stream)
 
     def launch(self) -> None:
-        """The whole decode, asynchronously on the stream the loop was built on."""
+        """The whole decode, asynchronously on the stream the loop was built on (a kept loop's last
+        failure exit cleared first)."""
+        with torch.cuda.stream(self.stream):
+            self.err.zero_()
         _ok(self.rt.cudaGraphLaunch(self.exec, self._stream()), "cudaGraphLaunch")
 
     def check(self) -> None:

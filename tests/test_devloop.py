@@ -218,6 +218,15 @@ def test_gpu_device_loop_failure_exits_are_reported():
     with pytest.raises(DeviceLoopError, match="budget"):
         loop.check()
     assert int(st.step) == 2
+    # launched again (as a loop kept across requests is), the last exit is cleared first: one more step
+    # runs before the bound stops it again, where a stale flag would stop it before any step
+    with torch.no_grad():
+        loop.launch()
+        torch.cuda.synchronize()
+    if not bool(st.done):
+        with pytest.raises(DeviceLoopError, match="budget"):
+            loop.check()
+        assert int(st.step) == 3
 
 
 @pytest.mark.gpu
