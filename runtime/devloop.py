@@ -4,7 +4,8 @@ executions"; ``runtime.execution=device``).
 The captured execution (``graphs.py``) replays one graph per piece, but its host loop still reads the
 width, ``done`` and each depth decision from the device between pieces: a round trip each. Here the
 host launches once per request and reads the result log at the end. The pieces' graphs (captured as
-``CapturedPieces`` does, kept as ``cudaGraph_t``) are cloned into one parent graph per request:
+``CapturedPieces`` does, kept as ``cudaGraph_t``) are cloned into one parent graph, built for one
+request or, with ``runtime.reuse_graphs``, kept across requests over fixed buffers (:class:`LoopSlot`):
 
     WHILE h_loop                                  one iteration = one step
       begin          control kernel: close the last step's times, open this one's (%globaltimer);
@@ -273,11 +274,11 @@ class DeviceLoop:
     def __init__(self, rnd, st, draft, debug=None, *, budget: int | None = None, nested: bool = True,
                  _every_depth: bool = False, _restore: bool = True, _max_steps: int | None = None):
         """``budget``: the largest output budget the loop serves (its step bound and stamp buffer;
-        default: the state's own). ``nested``: each extra depth's IF inside the previous one's body, so a step whose ``cont`` is
-        false runs no further control kernel (else one after another, each evaluated; the same
-        decode). ``_every_depth`` (the depth conditions read a constant true, not ``cont``),
-        ``_restore`` (see CapturedPieces) and ``_max_steps`` (a lower step bound) are the tests'
-        negative controls."""
+        default: the state's own). ``nested``: each extra depth's IF inside the previous one's body,
+        so a step whose ``cont`` is false runs no further control kernel (else one after another, each
+        evaluated; the same decode). ``_every_depth`` (the depth conditions read a constant true, not
+        ``cont``), ``_restore`` (see CapturedPieces) and ``_max_steps`` (a lower step bound) are the
+        tests' negative controls."""
         _, rt = _bindings()
         self.rt, self.st = rt, st
         dev = st.tokens.device
