@@ -335,7 +335,9 @@ def _source_hash(arm: Arm, *names: str) -> str:
 
 class WeightCache:
     """Checkpoint tensors loaded once and shared by arms whose checkpoint hash, model config, TP shard
-    and loader source agree (engines copy what they convert, so sharing the dict is safe)."""
+    and loader source agree. Engines copy what they convert, so sharing the dict is safe; the stacked
+    experts (``runtime.model.stacked_experts``) are the exception that saves memory: the first engine
+    puts them back into the dict as views, same values, and later engines reuse them."""
 
     def __init__(self):
         self._tensors: dict[tuple, dict] = {}

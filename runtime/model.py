@@ -188,27 +188,63 @@ class MTPWeights:
     layer: LayerWeights
 
 
+def _views_of(base, parts: list[list[torch.Tensor]]) -> bool:
+    """Whether ``parts[e][j]`` are exactly the row blocks of the stacked tensor ``base`` that
+    ``stacked_experts`` made (expert e, parts one after another along dim 1)."""
+    if base is None or not base.is_contiguous() or base.shape[0] != len(parts):
+        return False
+    for e, row in enumerate(parts):
+        off = 0
+        for x in row:
+            if (x._base is not base or tuple(x.shape[1:]) != tuple(base.shape[2:])
+                    or off + x.shape[0] > base.shape[1] or x.data_ptr() != base[e, off].data_ptr()):
+                return False
+            off += x.shape[0]
+        if off != base.shape[1]:
+            return False
+    return True
+
+
+def stacked_experts(t: dict, names: list[list[str]], device) -> torch.Tensor:
+    """The experts' parts stacked: [E, rows of part 0 + rows of part 1 + ..., ...] on ``device``, for
+    ``names[e]`` = the tensor names of expert e's parts (e.g. gate and up).
+
+    The stacked tensor is shared through ``t``. Whoever stacks first points the dict's per-expert entries
+    at views of the result, which frees the originals. A later model over the same dict (the replay's arms
+    share one) finds those views and stacks nothing. So the experts are held once, not once in the dict
+    plus once per model: q1's rank shard is 50 GiB of them."""
+    parts = [[t[n] for n in row] for row in names]
+    base = parts[0][0]._base
+    if _views_of(base, parts):
+        return base.to(device)
+    stacked = torch.cat([torch.stack([row[j] for row in parts]) for j in range(len(parts[0]))], dim=1).to(device)
+    for e, row in enumerate(names):
+        off = 0
+        for j, n in enumerate(row):
+            rows = parts[e][j].shape[0]
+            t[n] = stacked[e, off:off + rows]
+            off += rows
+    return stacked
+
+
 def _layer_weights(cfg: ModelConfig, t: dict, i: int, kind: str, dtype, device) -> LayerWeights:
     p = layer_prefix(i)
 
     def dense(name):
         return t[p + name].to(device=device, dtype=dtype)
 
-    gate, up, down, sg, su, sd = [], [], [], [], [], []
-    for e in range(cfg.num_experts):
-        n = expert_names(cfg, i, e)
-        gate.append(t[n["gate_proj"]]), up.append(t[n["up_proj"]]), down.append(t[n["down_proj"]])
-        sg.append(t[n["gate_proj"] + "_scale_inv"]), su.append(t[n["up_proj"] + "_scale_inv"])
-        sd.append(t[n["down_proj"] + "_scale_inv"])
-    w13 = torch.cat([torch.stack(gate), torch.stack(up)], dim=1).to(device)
-    s13 = torch.cat([torch.stack(sg), torch.stack(su)], dim=1).to(device)
+    ns = [expert_names(cfg, i, e) for e in range(cfg.num_experts)]
+    w13 = stacked_experts(t, [[n["gate_proj"], n["up_proj"]] for n in ns], device)
+    s13 = stacked_experts(t, [[n["gate_proj"] + "_scale_inv", n["up_proj"] + "_scale_inv"] for n in ns], device)
+    w2 = stacked_experts(t, [[n["down_proj"]] for n in ns], device)
+    s2 = stacked_experts(t, [[n["down_proj"] + "_scale_inv"] for n in ns], device)
     return LayerWeights(
         kind=kind, ln1=dense("input_layernorm.weight"), ln2=dense("post_attention_layernorm.weight"),
         wq=dense("self_attn.q_proj.weight"), wk=dense("self_attn.k_proj.weight"),
         wv=dense("self_attn.v_proj.weight"), wo=dense("self_attn.o_proj.weight"),
         sinks=t[p + "self_attn.sinks"].to(device=device, dtype=torch.float32),
         router=t[p + "mlp.gate.weight"].to(device=device, dtype=torch.bfloat16),
-        w13=w13, s13=s13, w2=torch.stack(down).to(device), s2=torch.stack(sd).to(device))
+        w13=w13, s13=s13, w2=w2, s2=s2)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -126,3 +126,39 @@ def test_q1_rank_emulation_shapes():
     assert exp["model.layers.87.mlp.experts.0.down_proj.weight_scale_inv"][0] == (48, 2)
     nbytes = sum(torch.Size(s).numel() * torch.tensor([], dtype=d).element_size() for s, d in exp.values())
     assert 40e9 < nbytes < 100e9, nbytes    # fits one H200 (about 139 GiB)
+
+
+def test_models_over_one_dict_hold_the_experts_once():
+    """The first model built from a tensor dict stacks each layer's experts and points the dict's
+    per-expert entries at views of the stack; a second model over the same dict (the replay's arms share
+    one) takes those stacks as they are. Both equal a model built from a fresh copy of the dict. Negative
+    control: entries that are views of another layout (experts permuted) are not taken for a stack."""
+    from runtime.checkpoint import expert_names
+    from runtime.config import make_shard
+    from runtime.model import Model
+
+    cfg = tiny_cfg()
+    t = dict(random_tensors(cfg, seed=0))
+    fresh = {k: v.clone() for k, v in t.items()}
+    shard = make_shard(cfg, TPConfig())
+    m1 = Model(cfg, t, shard, "float32", "cpu")
+    n = expert_names(cfg, 0, 1)
+    assert t[n["up_proj"]]._base is m1.layers[0].w13
+    m2 = Model(cfg, t, shard, "float32", "cpu")
+    ref = Model(cfg, fresh, shard, "float32", "cpu")
+    layers = lambda m: m.layers + [x.layer for x in m.mtp]  # noqa: E731
+    for a, b, r in zip(layers(m1), layers(m2), layers(ref)):
+        for f in ("w13", "s13", "w2", "s2"):
+            assert getattr(a, f).data_ptr() == getattr(b, f).data_ptr(), f
+            assert torch.equal(getattr(a, f).float(), getattr(r, f).float()), f
+    # views of a stack whose experts are in another order: same shapes, other addresses
+    odd = {k: v.clone() for k, v in fresh.items()}
+    E, names = cfg.num_experts, [expert_names(cfg, 0, e) for e in range(cfg.num_experts)]
+    perm = list(range(E))[::-1]
+    base = torch.stack([torch.cat([odd[names[p]["gate_proj"]], odd[names[p]["up_proj"]]]) for p in perm])
+    rows = odd[names[0]["gate_proj"]].shape[0]
+    for e in range(E):
+        odd[names[perm[e]]["gate_proj"]], odd[names[perm[e]]["up_proj"]] = base[e, :rows], base[e, rows:]
+    m3 = Model(cfg, odd, shard, "float32", "cpu")
+    assert m3.layers[0].w13.data_ptr() != base.data_ptr()
+    assert torch.equal(m3.layers[0].w13.float(), ref.layers[0].w13.float())
