@@ -32,6 +32,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Small models keep dequantised experts and run every expert densely (a few large GEMMs beat many
 # small gathers on CPU); large ones gather and dequantise only the chosen experts each step.
 DENSE_MOE_MAX_BYTES = 1 << 30
+# Without dense experts, up to this many (row, expert) pairs (a decode: 8 rows x top 8) dequantise each
+# pair's weights; more (a prefill) dequantise each chosen expert once (Model._moe_grouped).
+GATHER_MOE_MAX_PAIRS = 64
 ATTN_SCORE_BUDGET = 1 << 26   # elements of one score block; bounds prefill memory
 
 
@@ -349,14 +352,35 @@ class Model:
                 act = act * gate.to(act.dtype)[..., None]
                 out.append(act.reshape(xa.shape[0], E * I) @ lw.dq2)
             y = torch.cat(out) if len(out) > 1 else out[0]
+        elif ids.numel() <= GATHER_MOE_MAX_PAIRS:
+            y = self._moe_gathered(lw, x, ids, weights)
         else:
-            b = self.cfg.fp8_block
-            w13 = fp8.dequantize(lw.w13[ids], lw.s13[ids], b, self.dtype)      # [T, k, 2I, H]
-            h = torch.einsum("th,tkoh->tko", x, w13)
-            act = F.silu(h[..., :I]) * h[..., I:]
-            w2 = fp8.dequantize(lw.w2[ids], lw.s2[ids], b, self.dtype)         # [T, k, H, I]
-            y = torch.einsum("tki,tkhi,tk->th", act, w2, weights.to(self.dtype))
+            y = self._moe_grouped(lw, x, ids, weights)
         return self.comm.all_reduce(y) if self.shard.tp_size > 1 else y
+
+    def _moe_gathered(self, lw: LayerWeights, x, ids, weights) -> torch.Tensor:
+        """Each (row, expert) pair's weights dequantised on their own: a decode's few rows."""
+        b, I = self.cfg.fp8_block, lw.w2.shape[2]
+        w13 = fp8.dequantize(lw.w13[ids], lw.s13[ids], b, self.dtype)      # [T, k, 2I, H]
+        h = torch.einsum("th,tkoh->tko", x, w13)
+        act = F.silu(h[..., :I]) * h[..., I:]
+        w2 = fp8.dequantize(lw.w2[ids], lw.s2[ids], b, self.dtype)         # [T, k, H, I]
+        return torch.einsum("tki,tkhi,tk->th", act, w2, weights.to(self.dtype))
+
+    def _moe_grouped(self, lw: LayerWeights, x, ids, weights) -> torch.Tensor:
+        """A prefill's many rows: each chosen expert dequantised once and applied to all its rows, so
+        the memory is one expert's, not T x k of them (q1's shard: 192 MiB a row the other way). The
+        same sums as ``_moe_gathered`` up to the order of additions (reads the chosen ids on the host:
+        prefill only, never a captured piece)."""
+        b, I = self.cfg.fp8_block, lw.w2.shape[2]
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            h = x[rows] @ fp8.dequantize(lw.w13[e], lw.s13[e], b, self.dtype).T          # [n, 2I]
+            act = F.silu(h[:, :I]) * h[:, I:]
+            ye = act @ fp8.dequantize(lw.w2[e], lw.s2[e], b, self.dtype).T             # [n, H]
+            y.index_add_(0, rows, ye * weights[rows, slot].to(self.dtype)[:, None])
+        return y
 
     def block(self, lw: LayerWeights, x, positions, cache, mode) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps

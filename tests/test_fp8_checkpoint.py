@@ -162,3 +162,27 @@ def test_models_over_one_dict_hold_the_experts_once():
     m3 = Model(cfg, odd, shard, "float32", "cpu")
     assert m3.layers[0].w13.data_ptr() != base.data_ptr()
     assert torch.equal(m3.layers[0].w13.float(), ref.layers[0].w13.float())
+
+
+def test_grouped_moe_is_the_gathered_moe():
+    """Without dense experts a prefill's many rows dequantise each chosen expert once (``_moe_grouped``)
+    instead of once per (row, expert) pair (``_moe_gathered``, a decode's path): the same values up to
+    the order of additions (FP32 here). Negative control: the routing weights of each row's slots
+    swapped must not pass."""
+    from runtime.config import make_shard
+    from runtime.model import GATHER_MOE_MAX_PAIRS, Model
+
+    cfg = tiny_cfg()
+    m = Model(cfg, dict(random_tensors(cfg, seed=1)), make_shard(cfg, TPConfig()), "float32", "cpu",
+              dense_moe=False)
+    lw = m.layers[0]
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids, w = m.route(lw, x)
+    assert ids.numel() > GATHER_MOE_MAX_PAIRS
+    ref = m._moe_gathered(lw, x, ids, w)
+    got = m.moe(lw, x)
+    assert torch.equal(got, m._moe_grouped(lw, x, ids, w))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(m._moe_grouped(lw, x, ids, w.flip(1)), ref, rtol=1e-3, atol=1e-4)
+    few = x[:GATHER_MOE_MAX_PAIRS // cfg.num_experts_per_tok]          # a decode's rows: gathered
+    assert torch.equal(m.moe(lw, few), m._moe_gathered(lw, few, *m.route(lw, few)))
