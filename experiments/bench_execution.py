@@ -15,8 +15,11 @@ emitted the first one's tokens and result log.
     python3 experiments/bench_execution.py --models q1 --contexts 16 --tokens 64     # rank-emulated q1
     python experiments/bench_execution.py --dry-run                      # CPU, q1-tiny, eager only
 
-q1 (rank 0 of 8, random weights) needs a short prompt: PyTorch held 125 GiB after the engine built it
-on an H200, and its reference prefill dequantises each token's 8 experts (256 tokens asked for 48 GiB more).
+q1 (rank 0 of 8, random weights) has needed a short prompt. In session 53 PyTorch held 125 GiB after the
+engine built it on an H200, and its reference prefill dequantised each token's 8 experts: 256 tokens asked
+for 48 GiB more. Session 54 holds the experts once (``model.stacked_experts``) and groups a prefill by
+expert (``Model._moe_grouped``). The shard is 52.6 GiB; longer q1 prompts have not been run on the GPU
+since.
 Writes ``$OUT/bench_execution.json`` (every step's time). Times name the machine; compare the
 executions within one run.
 """
