@@ -38,7 +38,8 @@ REQUEST_COLUMNS = {
     "n_steps": "int", "n_tokens": "int", "tokens_sha": "str", "decode_ns": "int",
 }
 # Columns a run may lack (written by later revisions of the harness); checked when present.
-OPTIONAL_REQUEST_COLUMNS = {"cpu_ns": "int"}   # the decoding thread's CPU time (-1: not measured)
+OPTIONAL_REQUEST_COLUMNS = {"cpu_ns": "int",    # the decoding thread's CPU time (-1: not measured)
+                            "loop_ns": "int"}   # host time, first step's start to last step's end (-1: none)
 MANIFEST_KEYS = ("run_id", "arms", "status")
 DECODE_KEY = ["request_id", "arm", "rep"]
 
@@ -202,8 +203,9 @@ def read_run(run_dir: str | Path, tokens: bool = False, allow_corrupt: bool = Fa
     steps = _read_parts(run_dir / "steps", STEP_COLUMNS, step_cols, allow_corrupt, problems)
     requests = _read_parts(run_dir / "requests", REQUEST_COLUMNS,
                            list(REQUEST_COLUMNS) + list(OPTIONAL_REQUEST_COLUMNS), allow_corrupt, problems)
-    if "cpu_ns" in requests.columns:   # parts written before the column existed (a resumed run)
-        requests["cpu_ns"] = requests["cpu_ns"].fillna(-1).astype("int64")
+    for c in OPTIONAL_REQUEST_COLUMNS:   # parts written before the column existed (a resumed run)
+        if c in requests.columns:
+            requests[c] = requests[c].fillna(-1).astype("int64")
     _check_columns(requests, {k: v for k, v in OPTIONAL_REQUEST_COLUMNS.items() if k in requests.columns},
                    run_dir / "requests")
     steps = steps.astype({"request_id": object, "arm": object})

@@ -694,6 +694,14 @@ def summary_lines(run, an, v) -> list[str]:
         a = dec[dec["arm"] == arm]
         lines.append(f"{arm:<10} {len(a):>7} {a['tpot_ns'].mean() / 1e6:>9.3f} {a['step_ns'].mean() / 1e6:>9.3f} "
                      f"{a['tokens_per_step'].mean():>9.3f} {a['accepted'].mean():>9.3f}")
+    req = getattr(run, "requests", None)
+    if req is not None and "loop_ns" in req.columns:
+        loops = {arm: r for arm, r in req.groupby("arm") if (r["loop_ns"] > 0).all()}
+        if loops:   # every step counted, on the host's clock whatever the arm's step clock
+            lines.append("host loop per output token (first step's start to last one's end, every step): "
+                         + ", ".join(f"{arm} {r['loop_ns'].sum() / r['n_tokens'].sum() / 1e6:.3f} ms"
+                                     for arm, r in sorted(loops.items(), key=lambda kv: rawio.ARMS.index(kv[0])
+                                                          if kv[0] in rawio.ARMS else 99)))
     if an is None:
         return lines
     for label, effects in (("candidate vs control", an.effects), ("A/A vs control", an.aa)):

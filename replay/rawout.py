@@ -39,7 +39,7 @@ STEP_COLUMNS = {"request_id": "string", "arm": "string", "rep": "int64", "order"
                 "tokens": "list<int64>", "t_start_ns": "int64", "t_end_ns": "int64", "warmup": "bool"}
 REQUEST_COLUMNS = {"request_id": "string", "arm": "string", "rep": "int64", "context_len": "int64",
                    "order": "int64", "n_steps": "int64", "n_tokens": "int64", "tokens_sha": "string",
-                   "decode_ns": "int64", "cpu_ns": "int64"}
+                   "decode_ns": "int64", "cpu_ns": "int64", "loop_ns": "int64"}
 
 
 def _schema(columns: dict):
@@ -83,7 +83,10 @@ def decode_rows(gen, request_id: str, arm: str, rep: int, order: int, context_le
                      "t_end_ns": start + int(dt), "warmup": int(s["step"]) < warmup_steps})
     req = {"request_id": request_id, "arm": arm, "rep": rep, "context_len": int(context_len),
            "order": order, "n_steps": len(rows), "n_tokens": int(sum(r["emitted"] for r in rows)),
-           "tokens_sha": tokens_sha(gen.tokens), "decode_ns": int(decode_ns), "cpu_ns": int(cpu_ns)}
+           "tokens_sha": tokens_sha(gen.tokens), "decode_ns": int(decode_ns), "cpu_ns": int(cpu_ns),
+           # the host's time from the first step's start to the last one's end (-1: the arm's revision
+           # does not record it): one clock for every execution, beside the steps' own
+           "loop_ns": int(getattr(gen, "loop_ns", 0) or -1)}
     return rows, req
 
 

@@ -195,6 +195,11 @@ def test_candidate_change_is_detected_and_aa_matches_control(env):
     assert {a["device"] for a in arms.values()} == {"cpu"}
     assert (req["cpu_ns"] > 0).all() and (req["cpu_ns"] <= 1.05 * req["decode_ns"]).all()
     assert "Host contention (CPU runs)" in (run_dir / "report" / "report.md").read_text()
+    # the host loop's own time, inside the decode call's; the arms' step clocks in the manifest
+    assert (req["loop_ns"] > 0).all() and (req["loop_ns"] <= req["decode_ns"]).all()
+    assert "host loop per output token" in p.out
+    assert {a["step_clock"] for a in arms.values()} == {"host perf_counter, step to step"}
+    assert {a["execution"] for a in arms.values()} == {"eager"}
 
 
 def test_reformat_only_is_refused_as_ineffective(env):
@@ -329,6 +334,10 @@ def test_step_times_of_a_revision_without_start_stamps_are_derived_from_duration
     new = SimpleNamespace(steps=steps, step_ns=[100, 200, 300], step_t0_ns=[10, 500, 900], tokens=[5, 6] * 3)
     rows, _ = rawout.decode_rows(new, "r", "control", 0, 7, 50, 1, t_call_ns=1_000, decode_ns=650)
     assert [r["t_start_ns"] - rawout.CLOCK_OFFSET_NS for r in rows] == [10, 500, 900]
+    # the loop's host time: recorded where the Generation has it, -1 for a revision without it
+    assert req["loop_ns"] == -1
+    new.loop_ns = 640
+    assert rawout.decode_rows(new, "r", "control", 0, 7, 50, 1, t_call_ns=1_000, decode_ns=650)[1]["loop_ns"] == 640
 
 
 def test_fingerprint_records_triton_launches_only_while_installed():
