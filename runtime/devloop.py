@@ -148,10 +148,16 @@ def _compile_nvrtc(arch: str) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def _compile_nvcc(arch: str) -> bytes:
-    nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+def _nvcc() -> str | None:
+    """nvcc on the PATH, else under $CUDA_HOME, else None."""
+    path = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
                                     if os.environ.get("CUDA_HOME") else None)
-    if not nvcc or not os.path.exists(nvcc):
+    return path if path and os.path.exists(path) else None
+
+
+def _compile_nvcc(arch: str) -> bytes:
+    nvcc = _nvcc()
+    if nvcc is None:
         raise DeviceLoopError("neither NVRTC nor nvcc is available to compile the loop's control kernels")
     with tempfile.TemporaryDirectory(prefix="iq_loop_") as d:
         src, out = os.path.join(d, "iq_loop.cu"), os.path.join(d, "iq_loop.cubin")
@@ -189,8 +195,7 @@ def unavailable() -> str | None:
             return None
     except Exception:      # NVRTC's library not found: nvcc may still compile
         pass
-    if shutil.which("nvcc") or (os.environ.get("CUDA_HOME")
-                                and os.path.exists(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))):
+    if _nvcc() is not None:
         return None
     return "neither NVRTC's library nor nvcc is available to compile the loop's control kernels"
 
@@ -385,16 +390,18 @@ class LoopSlot:
     their own would leave them. Built for a capacity (full-layer slots) and an output budget; a request
     that needs more, or other sampling or draft settings, needs a new slot (``fits``)."""
 
-    def __init__(self, round_for, rnd, st, draft, debug, capacity: int, budget: int, **loop_kw):
+    def __init__(self, round_for, rnd, st, draft, debug, capacity: int, budget: int, *,
+                 _stale_caches: bool = False, **loop_kw):
+        """``_stale_caches``: the tests' negative control, every later request's caches not copied in
+        (the previous request's left in the slot)."""
         self.capacity, self.budget, self.draft = capacity, budget, draft
         self.rnd = round_for(capacity)
-        pad = {"out": budget + 8, "log": budget + 1}
+        pad = {"out": budget + 8, "log": budget + 1}       # the state's per-token buffers, at this budget
         self.st = dataclasses.replace(st, **{
-            f.name: torch.zeros((pad[f.name],) + tuple(getattr(st, f.name).shape[1:]),
-                                dtype=getattr(st, f.name).dtype, device=getattr(st, f.name).device)
-            if f.name in pad else getattr(st, f.name).clone()
-            for f in dataclasses.fields(st)})
+            f.name: (t.new_zeros((pad[f.name],) + tuple(t.shape[1:])) if f.name in pad else t.clone())
+            for f in dataclasses.fields(st) for t in [getattr(st, f.name)]})
         self.load(rnd, st)
+        self._stale_caches = _stale_caches
         self.loop = DeviceLoop(self.rnd, self.st, draft, debug, budget=budget, **loop_kw)
 
     def fits(self, rnd, st, draft) -> bool:
@@ -403,8 +410,7 @@ class LoopSlot:
                 and [c.slots for c in rnd.cache.all if c.kind != "full"]
                 == [c.slots for c in self.rnd.cache.all if c.kind != "full"])
 
-    def load(self, rnd, st, *, _caches: bool = True) -> None:
-        """(``_caches=False``: the tests' negative control, the previous request's caches left in.)"""
+    def load(self, rnd, st) -> None:
         for f in dataclasses.fields(st):
             src, dst = getattr(st, f.name), getattr(self.st, f.name)
             if src.dim() == 0 or src.shape == dst.shape:
@@ -413,7 +419,7 @@ class LoopSlot:
                 n = src.shape[0]
                 dst[:n].copy_(src)
                 dst[n:].zero_()
-        if not _caches:
+        if getattr(self, "_stale_caches", False):
             return
         for src, dst in zip(rnd.cache.all, self.rnd.cache.all):
             n = src.slots

@@ -285,8 +285,8 @@ class Engine:
         two, at least doubled on a rebuild, within the model's max_context (never below the request's)."""
         from .devloop import LoopSlot, _full_slots
         slot = getattr(self, "_slot", None)
-        if slot is not None and slot.fits(rnd, st, self.rt.draft) and getattr(slot, "opts", None) == opts:
-            slot.load(rnd, st, **({"_caches": False} if opts.get("_stale_caches") else {}))
+        if slot is not None and slot.fits(rnd, st, self.rt.draft) and slot.opts == opts:
+            slot.load(rnd, st)
             return slot
         need, budget = _full_slots(rnd), int(st.budget)
         need = max(need, min(self.cfg.max_context, 1 << (need - 1).bit_length()))   # a power of two
@@ -295,8 +295,7 @@ class Engine:
             budget = max(budget, slot.budget)
             self._slot = slot = None
             torch.cuda.empty_cache()
-        loop_opts = {k: v for k, v in opts.items() if k != "_stale_caches"}
-        slot = LoopSlot(self.new_round, rnd, st, self.rt.draft, self.rt.debug, need, budget, **loop_opts)
+        slot = LoopSlot(self.new_round, rnd, st, self.rt.draft, self.rt.debug, need, budget, **opts)
         slot.opts = opts
         self._slot = slot
         return slot

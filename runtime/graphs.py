@@ -22,7 +22,7 @@ first use, which must not happen inside a capture): for each width, from the req
 whole step as a real one would run it (verify, its drafts, every extra depth), after which the decode
 state is put back. After the capture each graph is replayed once the same way (a graph's first launch
 uploads it). On the H200 this costs q1-mini ~0.23-0.27 s per request and q1 1.6 s (session 53),
-outside the steps' times; graphs kept across requests (persistent state and caches) would remove it.
+outside the steps' times. (The device loop keeps its graphs across requests: ``devloop.LoopSlot``.)
 The caches are not put back: the warm-up writes K/V rows only at positions past the state's start
 (target) or its start + 1 (draft layer), which every real step writes again before any row can read
 them, just as the eager loop leaves a rejected draft's rows behind.
