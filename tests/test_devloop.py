@@ -13,6 +13,7 @@ that the control kernels' source compiles for sm_90 where nvcc is present.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -218,15 +219,24 @@ def test_gpu_device_loop_failure_exits_are_reported():
     with pytest.raises(DeviceLoopError, match="budget"):
         loop.check()
     assert int(st.step) == 2
-    # launched again (as a loop kept across requests is), the last exit is cleared first: one more step
-    # runs before the bound stops it again, where a stale flag would stop it before any step
+    first = st.log[:2].clone()
+    # launched again over a fresh request copied into its buffers (as a loop kept across requests is):
+    # the last exit is cleared first, so the same two steps run before the bound stops it again, where
+    # a stale flag would stop it before any step. (A relaunch without a fresh request would find the
+    # budget exit's step verified but not drafted: no captured width, session 55's first GPU run.)
+    rnd2, st2 = eng.start(PROMPT * 8, seed=0, max_new_tokens=32)
     with torch.no_grad():
+        for f in dataclasses.fields(st):
+            getattr(st, f.name).copy_(getattr(st2, f.name))
+        for c, c2 in zip(rnd.cache.all, rnd2.cache.all):
+            c.k.copy_(c2.k)
+            c.v.copy_(c2.v)
+            c.labels.copy_(c2.labels)
         loop.launch()
         torch.cuda.synchronize()
-    if not bool(st.done):
-        with pytest.raises(DeviceLoopError, match="budget"):
-            loop.check()
-        assert int(st.step) == 3
+    with pytest.raises(DeviceLoopError, match="budget"):
+        loop.check()
+    assert int(st.step) == 2 and torch.equal(st.log[:2], first)
 
 
 @pytest.mark.gpu
