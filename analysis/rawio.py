@@ -39,7 +39,8 @@ REQUEST_COLUMNS = {
 }
 # Columns a run may lack (written by later revisions of the harness); checked when present.
 OPTIONAL_REQUEST_COLUMNS = {"cpu_ns": "int",    # the decoding thread's CPU time (-1: not measured)
-                            "loop_ns": "int"}   # host time, first step's start to last step's end (-1: none)
+                            "loop_ns": "int",   # host time, first step's start to last step's end (-1: none)
+                            "epoch": "int"}     # placement epoch of the arm's engine (-1: kept all run)
 MANIFEST_KEYS = ("run_id", "arms", "status")
 DECODE_KEY = ["request_id", "arm", "rep"]
 

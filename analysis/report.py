@@ -266,6 +266,14 @@ def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
     head = ["metric", "control", "candidate", "ratio", "change", lvl, "p (Wilcoxon)", "significant"]
     B += [("h", 2, "Summary: candidate vs control (geometric means over requests)"),
           ("table", head, [effect_row(a.effects[k], alpha) for k in stats.METRICS])]
+    k = a.effects["tpot"].n_clusters
+    if k:
+        pl = m.get("placement") or {}
+        B.append(("p", f"Placement epochs: every arm's engine was built again at a new place in memory "
+                       f"{pl.get('epochs', k)} times ({pl.get('requests_per_epoch', '?')} request(s) each), "
+                       f"so an arm's placement offset is shared by an epoch's requests only. Intervals "
+                       f"resample the {k} epochs (distinct sets of epochs a request ran in), and p-values, "
+                       f"Hodges–Lehmann estimates and detectable effects are those of the epochs' means."))
     if a.aa:
         head_aa = ["metric", "control", "A/A", "ratio", "change", lvl, "p (Wilcoxon)", "significant"]
         rows = [effect_row(a.aa[k], alpha) for k in ("tpot", "step", "tps")]

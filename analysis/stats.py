@@ -121,6 +121,16 @@ def paired_table(req: pd.DataFrame, arm: str, base: str = "control") -> pd.DataF
     return out
 
 
+def request_clusters(requests: pd.DataFrame) -> pd.Series | None:
+    """Per request, the placement epochs its decodes ran in (``epoch``, written by a replay that
+    rebuilds its arms' engines between epochs: ``placement.epochs``), as one key; None when the run
+    recorded none (every request its own unit)."""
+    if "epoch" not in requests.columns or not (requests["epoch"] >= 0).all():
+        return None
+    return requests.groupby("request_id", sort=False)["epoch"].agg(
+        lambda e: ",".join(str(v) for v in sorted(set(int(x) for x in e))))
+
+
 def bit_exactness(requests: pd.DataFrame) -> pd.DataFrame:
     """Per request: whether every decode of each pair of arms (all reps) has the same tokens_sha.
 
@@ -177,6 +187,47 @@ def bootstrap_ci(x, level: float = LEVEL, n_boot: int = N_BOOT,
     z = scipy.stats.norm.ppf(0.5 + level / 2)
     k = scipy.stats.t.ppf(0.5 + level / 2, len(x) - 1) / z * math.sqrt(len(x) / (len(x) - 1))
     return (m - k * (m - float(lo)), m + k * (float(hi) - m))
+
+
+def cluster_bootstrap_ci(x, clusters, level: float = LEVEL, n_boot: int = N_BOOT,
+                         rng: np.random.Generator | int | None = 0, method: str = "BCa") -> tuple[float, float]:
+    """CI of the mean of ``x`` by resampling whole clusters (``clusters[i]``: the cluster of ``x[i]``):
+    requests that share a placement epoch share its arms' offsets, so they are resampled together.
+    The statistic is the request mean of the resampled clusters (sum of their sums over the sum of
+    their sizes); the small-sample expansion counts clusters."""
+    x = np.asarray(x, dtype=np.float64)
+    keys, inv = np.unique(np.asarray(clusters), return_inverse=True)
+    k = len(keys)
+    if k < 2:
+        return (float("nan"), float("nan"))
+    sums = np.bincount(inv, weights=x, minlength=k)
+    sizes = np.bincount(inv, minlength=k).astype(np.float64)
+    m = float(sums.sum() / sizes.sum())
+    if np.all(x == x[0]):
+        return (float(x[0]), float(x[0]))
+    rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+
+    def ratio(s, c, axis=-1):
+        return s.sum(axis=axis) / c.sum(axis=axis)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = scipy.stats.bootstrap((sums, sizes), ratio, paired=True, n_resamples=n_boot,
+                                    confidence_level=level, method=method, vectorized=True, axis=-1,
+                                    **{_RNG_KW: rng})
+    lo, hi = res.confidence_interval
+    if not (np.isfinite(lo) and np.isfinite(hi)) and method.lower() == "bca":
+        return cluster_bootstrap_ci(x, clusters, level, n_boot, rng, "percentile")
+    z = scipy.stats.norm.ppf(0.5 + level / 2)
+    e = scipy.stats.t.ppf(0.5 + level / 2, k - 1) / z * math.sqrt(k / (k - 1))
+    return (m - e * (m - float(lo)), m + e * (float(hi) - m))
+
+
+def cluster_means(x, clusters) -> np.ndarray:
+    """The mean of ``x`` within each cluster (in the order of the sorted cluster keys)."""
+    x = np.asarray(x, dtype=np.float64)
+    _, inv = np.unique(np.asarray(clusters), return_inverse=True)
+    return np.bincount(inv, weights=x) / np.bincount(inv)
 
 
 def wilcoxon_p(x) -> float:
@@ -251,6 +302,8 @@ class Effect:
     level: float = LEVEL
     ci_requests: tuple[float, float] | None = None   # before widening for the arm offset (None: not widened)
     arm_sd: float = 0.0           # tau: the arm-offset sd the interval was widened by
+    n_clusters: int | None = None  # placement epochs resampled as units (None: requests are the units)
+    se: float = float("nan")      # standard error of ``mean``: over clusters when there are clusters
 
     @property
     def ratio(self) -> float:
@@ -275,9 +328,9 @@ class Effect:
 
 def arm_offset_sd(aa: Effect) -> float:
     """tau: sd of an arm offset against control, from the A/A contrast (method of moments, >= 0)."""
-    if aa is None or aa.n < 2 or not (math.isfinite(aa.mean) and math.isfinite(aa.sd)):
+    if aa is None or aa.n < 2 or not (math.isfinite(aa.mean) and math.isfinite(aa.se)):
         return 0.0
-    return math.sqrt(max(0.0, aa.mean ** 2 - aa.sd ** 2 / aa.n))
+    return math.sqrt(max(0.0, aa.mean ** 2 - aa.se ** 2))
 
 
 def widen_for_arm_offset(e: Effect, tau: float) -> Effect:
@@ -292,19 +345,34 @@ def widen_for_arm_offset(e: Effect, tau: float) -> Effect:
 
 def summarize(x, metric: str, arm: str, base: str, before_logs=None, after_logs=None,
               level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,
-              method: str = "BCa", alpha: float = ALPHA) -> Effect:
-    """Every statistic of one set of per-request log-ratios ``x``."""
+              method: str = "BCa", alpha: float = ALPHA, clusters=None) -> Effect:
+    """Every statistic of one set of per-request log-ratios ``x``. ``clusters`` (one key per request,
+    e.g. its placement epochs): when fewer distinct than requests, the clusters are the units, since
+    their requests share the arms' offsets: the CI resamples clusters, the p-value, Hodges-Lehmann
+    estimate and detectable effect are those of the cluster means. ``mean`` and ``sd`` stay the
+    requests'."""
     x = np.asarray(x, dtype=np.float64)
     n = len(x)
     sd = float(np.std(x, ddof=1)) if n > 1 else float("nan")
-    hl, hlo, hhi = hodges_lehmann(x, level)
     gm = lambda v: float(np.exp(np.mean(v))) if v is not None and len(v) else float("nan")  # noqa: E731
-    return Effect(metric=metric, arm=arm, base=base, n=n,
-                  mean=float(np.mean(x)) if n else float("nan"),
-                  ci=bootstrap_ci(x, level, n_boot, _rng(seed, f"{arm}/{base}/{metric}"), method),
-                  p=wilcoxon_p(x) if n else float("nan"), hl=hl, hl_ci=(hlo, hhi), sd=sd,
-                  mde=min_detectable_effect(sd, n, alpha), before=gm(before_logs),
-                  after=gm(after_logs), level=level)
+    rng = _rng(seed, f"{arm}/{base}/{metric}")
+    k = len(np.unique(np.asarray(clusters))) if clusters is not None and n else n
+    if k < n:
+        units = cluster_means(x, clusters)
+        ci = cluster_bootstrap_ci(x, clusters, level, n_boot, rng, method)
+        mean = float(np.sum(x) / n)
+    else:
+        units, k = x, None
+        ci = bootstrap_ci(x, level, n_boot, rng, method)
+        mean = float(np.mean(x)) if n else float("nan")
+    m = len(units)
+    usd = float(np.std(units, ddof=1)) if m > 1 else float("nan")
+    hl, hlo, hhi = hodges_lehmann(units, level)
+    return Effect(metric=metric, arm=arm, base=base, n=n, mean=mean, ci=ci,
+                  p=wilcoxon_p(units) if m else float("nan"), hl=hl, hl_ci=(hlo, hhi), sd=sd,
+                  mde=min_detectable_effect(usd, m, alpha), before=gm(before_logs),
+                  after=gm(after_logs), level=level, n_clusters=k,
+                  se=usd / math.sqrt(m) if m > 1 else float("nan"))
 
 
 # --------------------------------------------------------------------------- regressions
@@ -449,9 +517,11 @@ def host_contention(requests: pd.DataFrame, manifest: dict, threshold: float = H
 
 
 def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,
-            method: str = "BCa", alpha: float = ALPHA, widen: bool = True) -> Analysis:
+            method: str = "BCa", alpha: float = ALPHA, widen: bool = True, cluster: bool = True) -> Analysis:
     """All statistics of one run. Raises ValueError when no request has both control and candidate.
-    ``widen=False`` keeps the request-only intervals (no arm-offset widening; for calibration)."""
+    ``widen=False`` keeps the request-only intervals (no arm-offset widening; for calibration);
+    ``cluster=False`` treats requests as independent even where placement epochs were recorded (the
+    calibration's negative control)."""
     decodes = decode_metrics(run.steps)
     req = request_metrics(decodes, run.requests)
     arms = [a for a in ("control", "candidate", "aa") if (req["arm"] == a).any()]
@@ -462,8 +532,10 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
     cand = paired_table(req, "candidate")
     if len(cand) == 0:
         raise ValueError("no request has decodes of both control and candidate")
+    clus = request_clusters(run.requests) if cluster else None
+    of = lambda t: None if clus is None else clus.reindex(t.index).to_numpy()   # noqa: E731
     effects = {m: summarize(cand[m], m, "candidate", "control", cand[f"control_log_{m}"],
-                            cand[f"candidate_log_{m}"], **kw) for m in METRICS}
+                            cand[f"candidate_log_{m}"], clusters=of(cand), **kw) for m in METRICS}
     residual = float(np.max(np.abs(cand["tpot"] - (cand["step"] - cand["tps"]))))
 
     per = pd.DataFrame({"request_id": cand.index, "context_len": cand["context_len"].to_numpy(),
@@ -478,7 +550,7 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
     if "aa" in arms:
         aat = paired_table(req, "aa")
         aa = {m: summarize(aat[m], m, "aa", "control", aat[f"control_log_{m}"],
-                           aat[f"aa_log_{m}"], **kw) for m in ("tpot", "step", "tps")}
+                           aat[f"aa_log_{m}"], clusters=of(aat), **kw) for m in ("tpot", "step", "tps")}
         residual = max(residual, float(np.max(np.abs(aat["tpot"] - (aat["step"] - aat["tps"])))))
         for m in ("tpot", "step", "tps"):
             per[f"aa_{m}"] = aat[m].reindex(per.index)
@@ -488,7 +560,7 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         cand_vs_aa = req[req["arm"].isin(["candidate", "aa"])]
         ca = paired_table(cand_vs_aa, "candidate", "aa").reindex(both.index)
         adjusted = summarize(both, "tpot", "candidate", "aa(adjusted)", ca["aa_log_tpot"],
-                             ca["candidate_log_tpot"], **kw)
+                             ca["candidate_log_tpot"], clusters=of(both), **kw)
         if widen:
             for m in aa:
                 effects[m] = widen_for_arm_offset(effects[m], arm_offset_sd(aa[m]))
@@ -525,7 +597,8 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         effects=effects, aa=aa, adjusted=adjusted, identity_residual=residual, bit_exact=bit,
         drift=drift, context_slope=ctx_slope, context_bins=bins, per_request=per,
         decodes=decodes, settings={"level": level, "n_boot": n_boot, "seed": seed,
-                                   "method": method, "alpha": alpha, "widen": widen},
+                                   "method": method, "alpha": alpha, "widen": widen,
+                                   "clusters": None if clus is None else int(clus.nunique())},
         n_unpaired=int(req["request_id"].nunique() - len(cand)),
         host=host_contention(run.requests, run.manifest),
     )

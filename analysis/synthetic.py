@@ -52,6 +52,9 @@ class SyntheticSpec:
     arm_offset_sd: float = 0.0         # every arm's own random latency offset in this run (sd, log
                                        # scale): a loaded copy's layout/placement, the same for all
                                        # its requests (drawn from a separate stream: seeds unchanged)
+    placement_epochs: int = 0          # > 0: the offsets are drawn again for every arm at each of this
+                                       # many epochs of consecutive requests (replay.paired's
+                                       # placement.epochs) and each decode records its epoch
     drift_env: float = 0.0             # log latency change over the run, all arms alike
     drift_effect: float = 0.0          # change of the candidate effect from run start to run end
     nonexact_fraction: float = 0.0     # requests whose candidate tokens differ without acceptance change
@@ -134,7 +137,12 @@ def simulate(spec: SyntheticSpec, with_tokens: bool = False):
     cand_effect = spec.latency_effect + spec.request_effect_sd * rng.standard_normal(n_req)
     nonexact = rng.random(n_req) < spec.nonexact_fraction
 
-    arm_off = dict(zip(arms, spec.arm_offset_sd * np.random.default_rng([spec.seed, 7]).standard_normal(len(arms))))
+    n_ep = min(spec.placement_epochs, n_req * reps)
+    per_epoch = -(-(n_req * reps) // n_ep) if n_ep > 0 else 0
+    draws = spec.arm_offset_sd * np.random.default_rng([spec.seed, 7]).standard_normal(
+        (max(n_ep, 1), len(arms)) if n_ep else len(arms))
+    arm_off = ({(arm, e): draws[e, i] for e in range(n_ep) for i, arm in enumerate(arms)} if n_ep
+               else {(arm, -1): v for arm, v in zip(arms, draws)})
 
     step_parts, req_rows = [], []
     clock = 0
@@ -159,6 +167,7 @@ def simulate(spec: SyntheticSpec, with_tokens: bool = False):
         for rep in range(reps):
             for arm in arms:
                 order = order_of[(r, arm, rep)]
+                epoch = (r * reps + rep) // per_epoch if per_epoch else -1
                 width, drft, acc, emi = seqs[arm]
                 n = len(width)
                 frac = order / max(n_decodes - 1, 1)
@@ -166,7 +175,7 @@ def simulate(spec: SyntheticSpec, with_tokens: bool = False):
                            "candidate": cand_effect[r] + spec.drift_effect * (frac - 0.5)}[arm]
                 base_ms = (spec.base_step_ms + spec.context_ms_per_64k * context[r] / 65_536) * (
                     1.0 + spec.width_cost * (width - 4))
-                log_mult = (arm_log + arm_off[arm] + spec.drift_env * frac
+                log_mult = (arm_log + arm_off[(arm, epoch)] + spec.drift_env * frac
                             + spec.decode_noise_sd * rng.standard_normal()
                             + spec.step_noise_sd * rng.standard_normal(n))
                 dur_ms = base_ms * np.exp(log_mult)
@@ -202,6 +211,7 @@ def simulate(spec: SyntheticSpec, with_tokens: bool = False):
                     "context_len": int(context[r]), "order": order, "n_steps": n,
                     "n_tokens": int(emi.sum()), "tokens_sha": _token_sha(tokens),
                     "decode_ns": int(t_end[-1] - t_start[0]),
+                    **({"epoch": epoch} if per_epoch else {}),
                 })
     cols = list(step_parts[0].keys())
     steps = pd.DataFrame({c: (np.concatenate([p[c] for p in step_parts]) if c != "tokens"

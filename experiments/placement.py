@@ -12,7 +12,11 @@ tokens, forked from one prefill) in rotation:
 - ``kept``: each engine's loop built once, then reused: the spread within one placement;
 - ``fresh``: before every decode the loop is dropped, ``torch.cuda.empty_cache()`` runs and a pad of a
   random size (a multiple of 2 MiB up to ``--pad-mib``) is held while the loop is built again: a new
-  placement every decode.
+  placement of the loop's caches, state and graphs every decode, the engine's weights kept;
+- ``rebuilt``: the same, but the whole engine is built again from the shared checkpoint tensors: its
+  weights move too (the other engines stay where they are);
+- ``epochs``: what ``replay.paired``'s placement epochs do: before each round every engine is dropped,
+  then all are built again in a random order, each after its own random pad (held for the round).
 
 Per mode and engine: mean and SD of the time per output token (first step left out, %globaltimer);
 between the engines, the SD of their means against what the within-engine SD predicts for it
@@ -34,7 +38,9 @@ from _bench import CUDA, DEV, DRY_RUN, write_results  # noqa: I001  (first: --dr
 
 import torch
 
-from runtime.engine import Engine
+from runtime import checkpoint as ck
+from runtime.config import load_model_config, runtime_config_from_dict
+from runtime.engine import Engine, default_checkpoint, resolve_device
 from runtime.graphs import fork_request
 
 MIB = 1 << 20
@@ -65,7 +71,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="output budget per decode")
     ap.add_argument("--engines", type=int, default=4, help="engines (each its own weights and loop)")
     ap.add_argument("--trials", type=int, default=8, help="decodes per engine and mode")
-    ap.add_argument("--modes", default="kept,fresh")
+    ap.add_argument("--modes", default="kept,fresh,rebuilt,epochs")
     ap.add_argument("--pad-mib", type=int, default=1024, help="largest random pad before a fresh build")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU, q1-tiny, eager: checks the script")
@@ -74,7 +80,12 @@ def main() -> None:
     rt = {"backend": "reference" if DRY_RUN else "fast", "dtype": "float32" if DRY_RUN else "bfloat16",
           "device": str(DEV)}
     rng = random.Random(a.seed)
-    engines = [Engine.build(model, rt) for _ in range(a.engines)]
+    cfg, rtc = load_model_config(model), runtime_config_from_dict(rt)
+    path = default_checkpoint(cfg)         # the tensors every engine converts from (the harness's WeightCache)
+    tensors = (ck.load_checkpoint(path, cfg, rtc.tp) if path is not None
+               else dict(ck.random_tensors(cfg, rtc.tp, seed=0, device=resolve_device(rtc.device))))
+    build = lambda: Engine(cfg, rtc, tensors, "placement")   # noqa: E731
+    engines = [build() for _ in range(a.engines)]
     print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}; model {model}, execution "
           f"{engines[0].execution}, {a.engines} engines, {a.trials} decodes each per mode, {a.tokens} tokens",
           flush=True)
@@ -93,14 +104,29 @@ def main() -> None:
             for trial in range(a.trials):
                 order = list(range(a.engines))
                 rng.shuffle(order)
+                pads = []
+                if mode == "epochs":
+                    engines = [None] * a.engines
+                    if CUDA:
+                        torch.cuda.empty_cache()
+                    for e in order:
+                        pads.append(torch.empty(rng.randrange(0, a.pad_mib // 2 + 1) * 2 * MIB,
+                                                dtype=torch.uint8, device=DEV))
+                        engines[e] = build()
+                    rng.shuffle(order)
                 for e in order:
-                    eng, pad = engines[e], None
-                    if mode == "fresh":
-                        eng._slot = None
+                    pad = None
+                    if mode in ("fresh", "rebuilt"):
+                        engines[e]._slot = None
+                        if mode == "rebuilt":
+                            engines[e] = None
                         if CUDA:
                             torch.cuda.empty_cache()
-                            pad = torch.empty(rng.randrange(0, a.pad_mib // 2 + 1) * 2 * MIB, dtype=torch.uint8,
-                                              device=DEV)
+                        pad = torch.empty(rng.randrange(0, a.pad_mib // 2 + 1) * 2 * MIB, dtype=torch.uint8,
+                                          device=DEV)
+                        if mode == "rebuilt":
+                            engines[e] = build()
+                    eng = engines[e]
                     rnd, st = fork_request(rnd0, st0)
                     with torch.no_grad():
                         g = eng.decode(rnd, st)
@@ -113,6 +139,7 @@ def main() -> None:
                     addrs[e].add(first_cache_address(eng))
                     rows.append({"context": ctx, "mode": mode, "engine": e, "trial": trial, "tpot_us": t,
                                  "cache_addr": first_cache_address(eng), "steps": len(g.steps)})
+                del pads
             means = [statistics.mean(times[e]) for e in range(a.engines)]
             sds = [statistics.stdev(times[e]) if a.trials > 1 else 0.0 for e in range(a.engines)]
             for e in range(a.engines):

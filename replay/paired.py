@@ -64,6 +64,10 @@ Defaults in conf/paired.yaml; common settings:
   allow_identical=true               run even if the candidate's step work equals control's
   expect_bit_exact=true              the candidate must not change tokens
   aa=false                           no A/A arm
+  placement.epochs=16                rebuild every arm at a new place in memory 16 times over the run
+                                     (auto: 64 on a GPU, 0 on the CPU); requests resampled by epoch
+  build_order=aa,candidate,control   build the arms' engines in this order (an arm offset that
+                                     follows allocation order, not code, moves with it)
   tracking.uri=http://host:port      MLflow server (default sqlite:///$IQUESTRT_HOME/mlflow.db)
   RUN_DIR=DIR resume=true            continue an interrupted run
 Exit status: 0 done; 2 refused (bad revision, dirty tree, missing or mismatching snapshots, arm
@@ -550,7 +554,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
     if threads:
         torch.set_num_threads(int(threads))
     weights = armsmod.WeightCache()
-    for arm in arms.values():
+    for arm in build_order(cfg, arms):
         armsmod.build(arm, model_name(cfg), cfg.get("runtime") or {}, weights, cfg.get("checkpoint"),
                       int(cfg.get("random_seed") or 0))
         print(f"{arm.describe()}: module {arm.module}, {arm.engine.cfg.name} "
@@ -607,6 +611,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
                        "trace_corpus": trace["corpus_hash"], "trace": trace["name"], **snap_hashes},
             "status": "running", "expect_bit_exact": bool(cfg.get("expect_bit_exact")),
             "fingerprints": fp_section, "mlflow": None,
+            "placement": Placement(cfg, arms, int(cfg["reps"]) * len(reqs), weights).record(),
             "requests": [{"request_id": r.request_id, "context_len": r.n_tokens} for r in reqs],
             "started_utc": _utc(), "finished_utc": None, "resumed_utc": [],
         }
@@ -618,11 +623,14 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         writer.write_manifest(manifest)
 
     plan = schedule.plan([r.request_id for r in reqs], list(arms), int(cfg["reps"]), int(cfg["seed"]))
+    epochs = Placement(cfg, arms, len(plan) // len(arms), weights)
+    if epochs.per_epoch:
+        print(f"placement: {epochs.describe()}")
     done = writer.completed()
     todo = [d for d in plan if d.key not in done]
     ctx = {r.request_id: r.n_tokens for r in reqs}
     print(f"run {run_dir}: {len(plan)} decodes" + (f", {len(plan) - len(todo)} already complete" if done else ""))
-    code = _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress)
+    code = _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress, epochs)
     if code == EXIT_INTERRUPTED:
         manifest = writer.update_manifest(status="interrupted")
         n_done = len(writer.completed())
@@ -635,7 +643,88 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
     return EXIT_OK
 
 
-def _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress) -> int:
+def build_order(cfg, arms: dict) -> list:
+    """The arms in the order their engines are built (``build_order``; default the arms' own order).
+    Building allocates an engine's weights, caches and graphs: a diagnostic for an arm offset that
+    follows allocation order rather than code."""
+    order = cfg.get("build_order")
+    if not order:
+        return list(arms.values())
+    order = [s.strip() for s in order.split(",")] if isinstance(order, str) else [str(s) for s in order]
+    if sorted(order) != sorted(arms):
+        raise ReplayError(f"build_order={order} must name each of the arms {list(arms)} once")
+    return [arms[label] for label in order]
+
+
+AUTO_EPOCHS = 64    # placement.epochs=auto on a GPU (at most one per request): q1-mini rebuilds in ~0.1 s an arm
+
+
+class Placement:
+    """Placement epochs (``placement.epochs``): where an arm's weights, caches and graphs sit in GPU
+    memory moves its step time (``experiments/placement.py``: up to 2 % between placements of one
+    q1-mini request, each placement steady within 0.1 %), and an arm keeps its placement as long as
+    its engine and kept device loop live, so every request of the run shared it. The run is cut into
+    epochs of consecutive requests; at each epoch's start every arm's engine is dropped and built
+    again, in a random order, each after a pad of random size (``placement.pad_mib``) that is held
+    for the epoch: a new placement per arm and epoch. Each decode records its epoch; the statistics
+    resample an epoch's requests together (``analysis.stats.request_clusters``)."""
+
+    def __init__(self, cfg: dict, arms: dict, n_blocks: int, weights):
+        pl = cfg.get("placement") or {"epochs": 0}      # (a run recorded before placement epochs: none)
+        n = pl.get("epochs", "auto")
+        self.cuda = any(a.engine.device.type == "cuda" for a in arms.values())
+        if n == "auto":
+            n = AUTO_EPOCHS if self.cuda else 0
+        try:
+            n = int(n)
+        except (TypeError, ValueError):
+            raise ReplayError(f"placement.epochs={n!r}: an integer >= 0, or auto") from None
+        if n < 0:
+            raise ReplayError(f"placement.epochs={n}: an integer >= 0, or auto")
+        self.epochs = min(n, n_blocks)
+        self.per_epoch = -(-n_blocks // self.epochs) if self.epochs else 0   # requests (x reps) per epoch
+        self.n_arms, self.pad_mib = len(arms), int(pl.get("pad_mib", 512))
+        self.cfg, self.weights, self.seed = cfg, weights, int(cfg.get("seed") or 0)
+        self.current, self.pads, self.rebuilds, self.seconds = None, [], 0, 0.0
+
+    def describe(self) -> str:
+        return (f"{self.epochs} epochs of {self.per_epoch} request(s): every arm's engine built again at a "
+                f"new place (a random pad of up to {self.pad_mib} MiB before each) at each epoch's start")
+
+    def record(self) -> dict:
+        return {"epochs": self.epochs, "requests_per_epoch": self.per_epoch, "pad_mib": self.pad_mib}
+
+    def epoch(self, d) -> int:
+        """The epoch of decode ``d`` (-1: no epochs): its (rep, request) block's index // per_epoch."""
+        return (d.order // self.n_arms) // self.per_epoch if self.per_epoch else -1
+
+    def enter(self, e: int, arms: dict) -> None:
+        """Before a decode of epoch ``e``: the arms rebuilt at new places if ``e`` is not the current one."""
+        if e < 0 or e == self.current:
+            return
+        import torch
+
+        t0 = time.perf_counter()
+        rng = random.Random(f"placement:{self.seed}:{e}")
+        order = list(arms.values())
+        rng.shuffle(order)
+        for arm in order:
+            arm.engine = None
+        self.pads = []
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        for arm in order:
+            size = rng.randrange(0, self.pad_mib + 1) << 20
+            self.pads.append(torch.empty(size, dtype=torch.uint8, device="cuda" if self.cuda else "cpu"))
+            armsmod.build(arm, model_name(self.cfg), self.cfg.get("runtime") or {}, self.weights,
+                          self.cfg.get("checkpoint"), int(self.cfg.get("random_seed") or 0))
+        self.current = e
+        self.rebuilds += len(order)
+        self.seconds += time.perf_counter() - t0
+
+
+def _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress, epochs: Placement) -> int:
     from tqdm import tqdm
 
     from snapshots.restore import restore
@@ -646,6 +735,10 @@ def _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress) -> i
     n = 0
     try:
         for d in bar:
+            e = epochs.epoch(d)
+            if epochs.per_epoch and e != epochs.current:
+                bar.set_postfix_str(f"epoch {e}: rebuilding the arms")
+                epochs.enter(e, arms)
             arm = arms[d.arm]
             bar.set_postfix_str(f"{d.request_id} {d.arm} rep {d.rep}")
             rnd, st = restore(arm.engine, dirs[d.request_id], budget=budget, seed=seed)
@@ -660,7 +753,7 @@ def _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress) -> i
             finally:
                 gc.enable()
             rows, req = rawout.decode_rows(gen, d.request_id, d.arm, d.rep, d.order, ctx[d.request_id],
-                                           warmup, t_call, decode_ns, cpu_ns)
+                                           warmup, t_call, decode_ns, cpu_ns, e)
             writer.add(rows, req)
             del rnd, st, gen
             n += 1
@@ -680,6 +773,8 @@ def _decode_all(cfg, arms, dirs, todo, ctx, budget, seed, writer, progress) -> i
                           f"python -m replay.paired resume=true RUN_DIR={writer.run_dir}", EXIT_ERROR) from None
     bar.close()
     writer.flush()
+    if epochs.rebuilds:
+        print(f"placement: the arms' engines built {epochs.rebuilds} times in {epochs.seconds:.1f} s")
     return EXIT_OK
 
 
@@ -707,7 +802,9 @@ def summary_lines(run, an, v) -> list[str]:
         if effects:
             parts = [f"{stats.METRIC_NAMES[m]} {verdict.fmt_pct(effects[m])}" for m in ("tpot", "step", "tps")
                      if m in effects]
-            lines.append(f"{label} ({an.n_requests} requests, 95% CI): " + "; ".join(parts))
+            k = effects["tpot"].n_clusters if "tpot" in effects else None
+            units = f"{an.n_requests} requests" + (f" in {k} placement epochs" if k else "")
+            lines.append(f"{label} ({units}, 95% CI): " + "; ".join(parts))
     be = an.bit_exact
     lines.append(f"identical tokens: candidate {be['candidate_exact']}/{be['n_requests']} requests, A/A "
                  f"{be['aa_exact']}/{be['aa_compared']}; control reproducible across reps: "

@@ -39,7 +39,7 @@ STEP_COLUMNS = {"request_id": "string", "arm": "string", "rep": "int64", "order"
                 "tokens": "list<int64>", "t_start_ns": "int64", "t_end_ns": "int64", "warmup": "bool"}
 REQUEST_COLUMNS = {"request_id": "string", "arm": "string", "rep": "int64", "context_len": "int64",
                    "order": "int64", "n_steps": "int64", "n_tokens": "int64", "tokens_sha": "string",
-                   "decode_ns": "int64", "cpu_ns": "int64", "loop_ns": "int64"}
+                   "decode_ns": "int64", "cpu_ns": "int64", "loop_ns": "int64", "epoch": "int64"}
 
 
 def _schema(columns: dict):
@@ -58,13 +58,14 @@ CLOCK_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
 def decode_rows(gen, request_id: str, arm: str, rep: int, order: int, context_len: int,
                 warmup_steps: int, t_call_ns: int, decode_ns: int,
-                cpu_ns: int = -1) -> tuple[list[dict], dict]:
+                cpu_ns: int = -1, epoch: int = -1) -> tuple[list[dict], dict]:
     """Step rows and the request row of one decode from the arm's ``Generation``.
 
     ``gen.step_t0_ns`` (perf_counter_ns at each step's start) is used when the arm records it; an
     older revision's Generation has only durations, and the starts are then laid end to end from
     ``t_call_ns`` (the perf_counter_ns just before ``decode`` was called). ``cpu_ns``: the decoding
-    thread's CPU time over the decode (-1: not measured)."""
+    thread's CPU time over the decode (-1: not measured). ``epoch``: the placement epoch the arm's
+    engine was built for (-1: the engines were kept for the whole run)."""
     steps, durs = gen.steps, list(gen.step_ns)
     if len(durs) != len(steps):
         raise ValueError(f"{arm}/{request_id}: {len(steps)} steps in the result log but "
@@ -86,7 +87,7 @@ def decode_rows(gen, request_id: str, arm: str, rep: int, order: int, context_le
            "tokens_sha": tokens_sha(gen.tokens), "decode_ns": int(decode_ns), "cpu_ns": int(cpu_ns),
            # the host's time from the first step's start to the last one's end (-1: the arm's revision
            # does not record it): one clock for every execution, beside the steps' own
-           "loop_ns": int(getattr(gen, "loop_ns", 0) or -1)}
+           "loop_ns": int(getattr(gen, "loop_ns", 0) or -1), "epoch": int(epoch)}
     return rows, req
 
 

@@ -168,7 +168,8 @@ def requests_table(run_dir: Path):
 
 def test_candidate_change_is_detected_and_aa_matches_control(env):
     run_dir = env["root"] / "run-extra-op"
-    p = replay(env, "control=main", "candidate=extra-op", f"RUN_DIR={run_dir}", "report=true")
+    p = replay(env, "control=main", "candidate=extra-op", f"RUN_DIR={run_dir}", "report=true",
+               "placement.epochs=2")
     assert p.returncode == 0, p.out
     assert "candidate vs control: the step work differs at widths [4, 5, 6, 7, 8]" in p.out
     # one aten.mul per target layer (4) per verify; the draft layer runs the same block
@@ -200,6 +201,10 @@ def test_candidate_change_is_detected_and_aa_matches_control(env):
     assert "host loop per output token" in p.out
     assert {a["step_clock"] for a in arms.values()} == {"host perf_counter, step to step"}
     assert {a["execution"] for a in arms.values()} == {"eager"}
+    # placement epochs: one request each, every arm's engine built again before each (2 x 3 builds)
+    assert m["placement"] == {"epochs": 2, "requests_per_epoch": 1, "pad_mib": 512}
+    assert "placement: the arms' engines built 6 times" in p.out, p.out
+    assert sorted(req.groupby("request_id")["epoch"].agg(lambda e: tuple(sorted(set(e)))).tolist()) == [(0,), (1,)]
 
 
 def test_reformat_only_is_refused_as_ineffective(env):
@@ -316,6 +321,18 @@ def test_schedule_balances_arm_positions():
         assert counts == [8, 8, 8], (arm, counts)          # 24 blocks: each arm 8x first, second, third
     other = schedule.plan(ids, ["control", "candidate", "aa"], reps=2, seed=1)
     assert [d.arm for d in other] != [d.arm for d in plan]
+
+
+def test_build_order_permutes_the_arms_and_refuses_anything_else():
+    from replay import paired
+
+    arms = {"control": "C", "candidate": "N", "aa": "A"}
+    assert paired.build_order({}, arms) == ["C", "N", "A"]
+    assert paired.build_order({"build_order": "aa,candidate,control"}, arms) == ["A", "N", "C"]
+    assert paired.build_order({"build_order": ["candidate", "aa", "control"]}, arms) == ["N", "A", "C"]
+    for bad in ("aa,control", "aa,aa,control", "aa,candidate,control,extra"):   # a missing, doubled, unknown arm
+        with pytest.raises(paired.ReplayError, match="each of the arms"):
+            paired.build_order({"build_order": bad}, arms)
 
 
 def test_step_times_of_a_revision_without_start_stamps_are_derived_from_durations():

@@ -250,3 +250,60 @@ def test_widening_arithmetic():
     assert w.ci_requests == e.ci and w.arm_sd == tau and w.mean == e.mean
     assert w.ci[0] == pytest.approx(e.mean - math.hypot(e.mean - e.ci[0], h))
     assert w.ci[1] == pytest.approx(e.mean + math.hypot(e.ci[1] - e.mean, h))
+
+
+def _placement_runs(n: int, epochs: int, offset_sd: float, truth: float = 0.02):
+    """Coverage of the TPOT interval and how often the A/A interval excludes 0, clustered by placement
+    epoch and not (requests as independent units), over n simulated GPU-like runs: little request
+    noise, and every arm's offset drawn again at each of ``epochs`` epochs of 32 requests."""
+    out = {"clustered": [0, 0], "requests": [0, 0]}
+    for i in range(n):
+        steps, req, _ = synthetic.simulate(synthetic.SyntheticSpec(
+            seed=5000 + i, n_requests=32, output_min=48, output_max=128, latency_effect=truth,
+            arm_offset_sd=offset_sd, placement_epochs=epochs, step_noise_sd=0.01, decode_noise_sd=0.002,
+            spike_prob=0.0))
+        r = stats.request_metrics(stats.decode_metrics(steps), req)
+        clusters = stats.request_clusters(req)
+        c, a = stats.paired_table(r, "candidate"), stats.paired_table(r, "aa")
+        for how, cl in (("clustered", clusters), ("requests", None)):
+            of = (lambda t: None) if cl is None else (lambda t: cl.reindex(t.index).to_numpy())   # noqa: E731
+            e = stats.summarize(c["tpot"], "tpot", "candidate", "control", n_boot=300, seed=i, clusters=of(c))
+            aa = stats.summarize(a["tpot"], "tpot", "aa", "control", n_boot=300, seed=i, clusters=of(a))
+            out[how][0] += e.ci[0] <= truth <= e.ci[1]
+            out[how][1] += not aa.ci[0] <= 0 <= aa.ci[1]
+    return {k: (v[0] / n, v[1] / n) for k, v in out.items()}
+
+
+def test_placement_epochs_resampled_as_units_keep_the_interval_honest():
+    """The GPU's arm offsets come from where an engine's buffers sit (experiments/placement.py) and are
+    shared by every request decoded on one placement. With the placement drawn again per epoch and
+    the epochs resampled as units, the interval covers the truth and an A/A arm is rarely called
+    different; treating the requests as independent (the negative control) does neither."""
+    got = _placement_runs(100, epochs=8, offset_sd=0.005)
+    cover, aa_false = got["clustered"]
+    assert cover >= 0.86 and aa_false <= 0.12, got
+    cover, aa_false = got["requests"]
+    assert cover <= 0.8 and aa_false >= 0.2, got
+
+
+def test_cluster_statistics_and_the_epoch_column():
+    x = np.array([0.01, 0.012, 0.03, 0.028, -0.01, -0.008, 0.02, 0.022])
+    e = stats.summarize(x, "tpot", "candidate", "control", n_boot=500, clusters=np.repeat([0, 1, 2, 3], 2))
+    means = stats.cluster_means(x, np.repeat([0, 1, 2, 3], 2))
+    np.testing.assert_allclose(means, [0.011, 0.029, -0.009, 0.021])
+    assert e.n_clusters == 4 and e.n == 8 and e.mean == pytest.approx(x.mean())
+    assert e.se == pytest.approx(np.std(means, ddof=1) / 2)
+    alone = stats.summarize(x, "tpot", "candidate", "control", n_boot=500)
+    assert alone.n_clusters is None and (e.ci[1] - e.ci[0]) > 2 * (alone.ci[1] - alone.ci[0])
+    # one cluster per request is the request bootstrap itself
+    same = stats.summarize(x, "tpot", "candidate", "control", n_boot=500, clusters=np.arange(8))
+    assert same.n_clusters is None and same.ci == alone.ci
+    # a run with the column: analyze resamples its epochs (cluster=False: the requests)
+    run = simulated_run(seed=3, n_requests=24, arm_offset_sd=0.005, placement_epochs=6)
+    assert sorted(run.requests["epoch"].unique()) == list(range(6))
+    a = stats.analyze(run, n_boot=200)
+    assert a.effects["tpot"].n_clusters == 6 and a.aa["tpot"].n_clusters == 6 and a.settings["clusters"] == 6
+    assert stats.analyze(run, n_boot=200, cluster=False).effects["tpot"].n_clusters is None
+    # a run that kept its engines (-1, or no column) has no clusters
+    assert stats.request_clusters(run.requests.assign(epoch=-1)) is None
+    assert stats.request_clusters(run.requests.drop(columns="epoch")) is None
