@@ -22,6 +22,10 @@ which launches the eager loop's pieces in the eager loop's order (an extra depth
 leaves ``cont`` false, so every later one is skipped as the eager loop's ``break`` skips it). Tokens and
 the result log are therefore the eager decode's, bit for bit (``tests/test_devloop.py``).
 
+A streaming caller (``Engine.decode(stream=...)``, the server) launches with a pause: the verified
+kernel ends the WHILE after the round in which the emitted tokens reach ``pause_at``; the host reads
+them, and launches again to resume (or not, to cancel).
+
 Step times are measured on the device: the control kernels stamp ``%globaltimer`` (ns) at each step's
 start and end into a buffer beside the decode state. ``debug.step_delay_fraction`` (the harness's
 calibration) is a busy-wait in the control kernel, counted in the step or not (``step_delay_timed``),
@@ -57,10 +61,11 @@ __device__ __forceinline__ long long iq_now() {
     return (long long)t;
 }
 
-// Close step s-1 (if any): its end stamp, after the calibration's busy-wait of delay x its duration
-// when timed, before it when not.  stamps: [cap, 2] (start, end) per step.
+// Close step s-1 (if any and not closed yet: a launch that resumes after a pause finds it closed by the
+// paused launch's end): its end stamp, after the calibration's busy-wait of delay x its duration when
+// timed, before it when not.  stamps: [cap, 2] (start, end) per step, zeroed by a request's first launch.
 __device__ void iq_close(long long s, long long* stamps, long long cap, float delay, int timed) {
-    if (s < 1 || s > cap) return;
+    if (s < 1 || s > cap || stamps[2 * (s - 1) + 1] != 0) return;
     long long t0 = stamps[2 * (s - 1)], t = iq_now();
     if (!timed) stamps[2 * (s - 1) + 1] = t;
     if (delay > 0.f) {
@@ -83,13 +88,16 @@ extern "C" __global__ void iq_loop_begin(u64 h_verify, const long long* n_drafts
     cudaGraphSetConditional(h_verify, (unsigned int)i);
 }
 
+// After the verification: draft on unless done or failed; loop on unless that, or the tokens emitted
+// reached pause_at (a streaming pause: this step still drafts, so a relaunch resumes a whole round).
 extern "C" __global__ void iq_loop_verified(u64 h_loop, u64 h_draft, u64 h_first, const bool* done,
                                             const long long* step, long long max_steps, const int* cur,
-                                            int* err, int n_w) {
+                                            int* err, int n_w, const long long* n_out,
+                                            const long long* pause_at) {
     bool d = *done;
     if (!d && *err == 0 && *step >= max_steps) *err = 2;   // the budget is spent and still not done
     unsigned int go = (!d && *err == 0) ? 1u : 0u;
-    cudaGraphSetConditional(h_loop, go);
+    cudaGraphSetConditional(h_loop, (go && *n_out < *pause_at) ? 1u : 0u);
     cudaGraphSetConditional(h_draft, go);
     cudaGraphSetConditional(h_first, go ? (unsigned int)*cur : (unsigned int)n_w);
 }
@@ -104,6 +112,7 @@ extern "C" __global__ void iq_loop_end(const long long* step, long long* stamps,
 }
 """
 KERNELS = ("iq_loop_begin", "iq_loop_verified", "iq_loop_depth", "iq_loop_end")
+NO_PAUSE = 1 << 62
 ERRORS = {1: "the next width has no captured graph (the draft settings changed after the capture)",
           2: "the output budget's steps ran out before the request was done"}
 
@@ -302,6 +311,7 @@ class DeviceLoop:
         self.stamps = torch.zeros(self.cap, 2, dtype=torch.int64, device=dev)   # (start, end) ns per step
         self.cur = torch.zeros(1, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.pause_at = torch.full((), NO_PAUSE, dtype=torch.int64, device=dev)   # tokens emitted: pause there
         delay = (float(getattr(debug, "step_delay_fraction", 0.0) or 0.0), F32)
         timed = (int(bool(getattr(debug, "step_delay_timed", True))), I32)
         a = lambda t: (t.data_ptr(), PTR)    # noqa: E731
@@ -325,7 +335,7 @@ class DeviceLoop:
             b.child(raw[("verify", w)])
         body.kernel(funcs["iq_loop_verified"],
                     [(int(h_loop), U64), (int(h_draft), U64), (int(h_first), U64), a(st.done), a(st.step),
-                     (self.max_steps, I64), a(self.cur), a(self.err), n_w])
+                     (self.max_steps, I64), a(self.cur), a(self.err), n_w, a(st.n_out), a(self.pause_at)])
         (drafting,) = body.conditional("if", h_draft)
         for b, w in zip(drafting.conditional("switch", h_first, len(widths)), widths):
             b.child(raw[("draft", w)])
@@ -346,11 +356,16 @@ class DeviceLoop:
     def _stream(self):
         return self.rt.cudaStream_t(init_value=self.stream.cuda_stream)
 
-    def launch(self) -> None:
+    def launch(self, pause_at: int | None = None, resume: bool = False) -> None:
         """The whole decode, asynchronously on the stream the loop was built on (a kept loop's last
-        failure exit cleared first)."""
+        failure exit and step stamps cleared first). ``pause_at``: the loop stops, its round complete,
+        once this many tokens are out (the state's ``n_out``; a streaming caller reads them and
+        launches again with ``resume=True``, which keeps the stamps: the host's pause is in no step)."""
         with torch.cuda.stream(self.stream):
-            self.err.zero_()
+            if not resume:
+                self.err.zero_()
+                self.stamps.zero_()
+            self.pause_at.fill_(NO_PAUSE if pause_at is None else int(pause_at))
         _ok(self.rt.cudaGraphLaunch(self.exec, self._stream()), "cudaGraphLaunch")
 
     def check(self) -> None:

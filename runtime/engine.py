@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -54,6 +55,7 @@ class Generation:
     prompt_len: int = 0
     step_t0_ns: list[int] = field(default_factory=list)   # perf_counter_ns at each step's start
     loop_ns: int = 0     # host time from the first step's start to the last one's end (any execution)
+    finish_reason: str = ""   # stop (a stop token) | length (the output budget) | cancelled (a stream's)
 
     @property
     def tokens_per_step(self) -> float:
@@ -62,6 +64,40 @@ class Generation:
     @property
     def accepted_per_step(self) -> float:
         return sum(s["accepted"] for s in self.steps) / max(1, len(self.steps))
+
+
+@dataclass
+class TokenStream:
+    """What a streaming caller (the server) hands :meth:`Engine.decode`: ``on_tokens(ids)`` gets the
+    tokens as they come, the first one before the first step, then about every ``every`` tokens (the
+    device loop pauses there: one host round trip per chunk) and the rest at the end; ``cancelled()`` is
+    asked at the same points, and true ends the decode there (``finish_reason`` "cancelled")."""
+    on_tokens: Callable[[list[int]], None]
+    cancelled: Callable[[], bool] = lambda: False
+    every: int = 32
+
+    def __post_init__(self):
+        if int(self.every) < 1:
+            raise ValueError(f"TokenStream.every={self.every}: at least 1 token per chunk")
+
+
+class _Emitter:
+    """The part of a decode's ``out`` a stream has been handed; reads the device only when asked."""
+
+    def __init__(self, stream: TokenStream | None):
+        self.stream, self.sent, self.cancelled = stream, 0, False
+
+    def due(self, st: DecodeState) -> bool:
+        return self.stream is not None and (int(st.n_out) - self.sent >= self.stream.every or bool(st.done))
+
+    def emit(self, st: DecodeState) -> None:
+        """Hand over what is new; then ask whether to go on (sets ``cancelled``)."""
+        n = int(st.n_out)
+        if n > self.sent:
+            self.stream.on_tokens(st.out[self.sent:n].tolist())
+            self.sent = n
+        if not bool(st.done) and self.stream.cancelled():
+            self.cancelled = True
 
 
 class Engine:
@@ -197,22 +233,27 @@ class Engine:
             return CapturedPieces(rnd, st, self.rt.draft)
         return EagerPieces(rnd, st, self.rt.draft)
 
-    def decode(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
+    def decode(self, rnd: Round, st: DecodeState, on_step=None, stream: TokenStream | None = None) -> Generation:
         """The whole decode. Under ``runtime.execution=device`` one launch of the device loop
         (``_decode_on_device``); otherwise the host loop: per step it reads the width, ``done`` and the
         depth decisions, and runs each piece (eagerly, or its captured graph). Graphs are built before
-        the first step; the steps' times do not include it."""
+        the first step; the steps' times do not include it. ``stream``: the tokens handed over as they
+        come, and a way to cancel (:class:`TokenStream`); the time a stream's callbacks take is in no
+        step (the device loop: a launch per chunk)."""
+        out = _Emitter(stream)
         if self.execution == "device" and not bool(st.done):
-            return self._decode_on_device(rnd, st, on_step)
+            return self._finish(self._decode_on_device(rnd, st, on_step, out), out)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         delay, delay_timed = self.rt.debug.step_delay_fraction, self.rt.debug.step_delay_timed
         step_ns, step_t0 = [], []
         with torch.no_grad():
             run = self.pieces(rnd, st)
+            if stream is not None:
+                out.emit(st)          # the first token, from the prefill
             loop_t0 = t0 = time.perf_counter_ns()
             # A step runs from the end of the previous one (the host's reads of done and the width are
             # its cost too) to its own end: the steps tile the loop, as the device loop's stamps do.
-            while not bool(st.done):
+            while not bool(st.done) and not out.cancelled:
                 w = st.width()
                 run.verify(w)
                 if not bool(st.done):
@@ -235,10 +276,19 @@ class Engine:
                 step_t0.append(t0)
                 if on_step is not None:
                     on_step(len(step_ns))
-                t0 = time.perf_counter_ns()     # (an untimed calibration wait and on_step stay out)
+                if out.due(st):
+                    out.emit(st)
+                t0 = time.perf_counter_ns()     # (an untimed calibration wait, on_step, a stream stay out)
         g = self.result(st, step_ns)
         g.step_t0_ns = step_t0
         g.loop_ns = time.perf_counter_ns() - loop_t0
+        return self._finish(g, out)
+
+    def _finish(self, g: Generation, out: _Emitter) -> Generation:
+        if out.cancelled:
+            g.finish_reason = "cancelled"
+        else:
+            g.finish_reason = "stop" if g.tokens and g.tokens[-1] in self.cfg.stop_token_ids else "length"
         return g
 
     @property
@@ -247,9 +297,11 @@ class Engine:
         return ("device %globaltimer, step to step" if self.execution == "device"
                 else "host perf_counter, step to step")
 
-    def _decode_on_device(self, rnd: Round, st: DecodeState, on_step=None) -> Generation:
+    def _decode_on_device(self, rnd: Round, st: DecodeState, on_step=None, out: _Emitter | None = None
+                          ) -> Generation:
         """The device loop (``runtime/devloop.py``): built before the first step (the pieces warmed up,
-        captured and cloned into one parent graph), then one launch runs the whole decode. Step times
+        captured and cloned into one parent graph), then one launch runs the whole decode (with a
+        stream, one launch per chunk, each pausing once ``every`` more tokens are out). Step times
         are the device's (%globaltimer at each step's start and end); their host starts are the
         launch's host time plus the device's offsets."""
         from .devloop import DeviceLoop
@@ -262,9 +314,21 @@ class Engine:
                 loop = slot.loop
             else:
                 loop = DeviceLoop(rnd, st, self.rt.draft, self.rt.debug, **opts)
+            streaming = out is not None and out.stream is not None
+            if streaming:
+                out.emit(loop.st)     # the first token, from the prefill
             t0 = time.perf_counter_ns()
-            loop.launch()
-            torch.cuda.synchronize(self.device)
+            if not streaming:
+                loop.launch()
+                torch.cuda.synchronize(self.device)
+            else:
+                launches = 0
+                while not bool(loop.st.done) and not out.cancelled:
+                    loop.launch(pause_at=out.sent + out.stream.every, resume=launches > 0)
+                    launches += 1
+                    torch.cuda.synchronize(self.device)
+                    loop.check()
+                    out.emit(loop.st)
             loop_ns = time.perf_counter_ns() - t0
             if slot is not None:
                 slot.store(rnd, st)
