@@ -60,7 +60,7 @@ def params_from_manifest(m: dict) -> dict[str, str]:
         for k in ("rev", "sha", "dirty_diff", "module", "overrides"):
             if k in rec:
                 p[f"arm.{arm}.{k}"] = _value(rec[k])
-    for section in ("environment", "hashes", "instrument"):
+    for section in ("environment", "hashes", "instrument", "placement"):
         for k, v in _flatten(m.get(section) or {}).items():
             if section == "hashes" and k.startswith("snapshot_files"):
                 continue   # one hash per request: in the manifest artifact, not as params
@@ -96,6 +96,7 @@ def metrics_from_analysis(summary: dict) -> dict[str, float]:
         if k in be:
             out[f"bit_exact.{k}"] = be[k]
     out["n_requests"] = a.get("n_requests")
+    out["n_clusters"] = (a.get("settings") or {}).get("clusters")    # placement epochs resampled (absent: none)
     return {k: float(v) for k, v in out.items() if _finite(v)}
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import select
+import signal
 import socket
 import sys
 import threading
@@ -261,13 +262,14 @@ def _peer_gone(sock: socket.socket) -> bool:
         return True
 
 
-def make_handler(srv: EngineServer):
+def make_handler(srv: EngineServer, log_requests: bool = True):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "IQuestRT"
 
         def log_message(self, fmt, *args):      # one line per request on stderr, as the base class does
-            sys.stderr.write(f"{self.address_string()} - {fmt % args}\n")
+            if log_requests:
+                sys.stderr.write(f"{self.address_string()} - {fmt % args}\n")
 
         # ---- plumbing ----
         def _json(self, status: int, obj: dict) -> None:
@@ -387,11 +389,13 @@ def make_handler(srv: EngineServer):
     return Handler
 
 
-def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, **kw) -> tuple[ThreadingHTTPServer, EngineServer]:
+def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, log_requests: bool = True,
+                **kw) -> tuple[ThreadingHTTPServer, EngineServer]:
     """An HTTP server for ``engine`` bound to (host, port) (port 0: a free one); call
-    ``serve_forever()`` on it (in a thread, for tests), ``shutdown()`` to stop."""
+    ``serve_forever()`` on it (in a thread, for tests), ``shutdown()`` to stop. ``log_requests``: a line
+    per request on stderr."""
     srv = EngineServer(engine, **kw)
-    httpd = ThreadingHTTPServer((host, port), make_handler(srv))
+    httpd = ThreadingHTTPServer((host, port), make_handler(srv, log_requests))
     httpd.daemon_threads = True
     return httpd, srv
 
@@ -419,10 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    def stop(signum, frame):   # Ctrl-C and SIGTERM alike, even where the parent left SIGINT ignored
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     host, port = httpd.server_address[:2]
     print(f"serving {srv.model} ({eng.checkpoint_hash[:24]}…) on {eng.device}, {eng.rt.backend}/{eng.rt.dtype}, "
           f"execution {eng.execution}; built in {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"listening on http://{host}:{port} (Ctrl-C stops; POST /v1/completions)", flush=True)
+    print(f"listening on http://{host}:{port} (Ctrl-C or SIGTERM stops; POST /v1/completions)", flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

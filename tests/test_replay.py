@@ -304,6 +304,7 @@ def test_mlflow_server_records_the_replay(env):
     assert params["arm.control.sha"] == git(env["repo"], "rev-parse", "main")
     assert params["arm.candidate.overrides"] == json.dumps({"runtime": {"draft": {"policy": "fixed"}}}, sort_keys=True)
     assert params["config.max_new_tokens"] == "8" and params["command"].startswith("python -m replay.paired")
+    assert params["placement.epochs"] == "0"        # on the CPU, auto: the engines kept for the run
     assert "environment.torch" in params
     assert metrics["arm.control.tpot_ms"] > 0 and "effect.tpot.pct" in metrics
     names = {a.path for a in client.list_artifacts(run.info.run_id)}

@@ -256,8 +256,10 @@ def test_the_command_line_serves_and_stops_on_ctrl_c():
     p = subprocess.run([sys.executable, "-m", "runtime.server", "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "POST /v1/completions" in p.stdout and "stream_every" in p.stdout
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # (as under pytest-xdist, whose workers ignore SIGINT: a child inherits that, and Ctrl-C must still work)
     proc = subprocess.Popen([sys.executable, "-m", "runtime.server", "model=q1-tiny", "port=0", "max_queue=2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         port = None
         for line in proc.stdout:
@@ -273,6 +275,7 @@ def test_the_command_line_serves_and_stops_on_ctrl_c():
         conn.close()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+        assert "stopping" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
