@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 55's device call (session 53's, plus a second paired replay `pairedB` with PARMSB, and the step
-# directories removed once in results.tgz): bash experiments/results/kernels_s55/call.sh callN, with STEPS (any of gtest bench step exec paired pairedB placement; PLARGS: placement.py's),
+# directories removed once in results.tgz): bash experiments/results/kernels_s55/call.sh callN, with STEPS (any of gtest bench step exec paired pairedB placement server; PLARGS / SVARGS: placement.py's / bench_server.py's),
 # GTESTS (pytest arguments; default: the whole GPU suite), ONLY (bench_kernels --no-sweep; default: every kernel),
 # STEPCTX / STEPBUDGET (bench_step.py --profile), EXECARGS (bench_execution.py), PN / PBUDGET / PARMS (the paired replay: requests, tokens, the arms'
 # settings; it needs .carry/traces, built on the CPU host: `IQUESTRT_HOME=H python -m snapshots.traces build
@@ -29,6 +29,8 @@ for s in ${STEPS:-bench step paired}; do
               traces.store=$PWD/.carry/traces progress=false RUN_DIR=$c/run > "$c/paired.log" 2>&1 ;;
     placement) OUT=$c/placement PYTHONUNBUFFERED=1 timeout ${PLTIMEOUT:-200} python3 experiments/placement.py ${PLARGS:-} \
             > "$c/placement.log" 2>&1 ;;
+    server) OUT=$c/server PYTHONUNBUFFERED=1 timeout ${SVTIMEOUT:-200} python3 experiments/bench_server.py ${SVARGS:-} \
+            > "$c/server.log" 2>&1 ;;
     pairedB) export IQUESTRT_HOME=/tmp/iq
             timeout ${PTIMEOUT:-300} python3 -m replay.paired control=WORKTREE candidate=WORKTREE runtime.backend=fast \
               runtime.dtype=bfloat16 runtime.device=cuda ${PARMSB:-} \
