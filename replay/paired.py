@@ -662,7 +662,7 @@ AUTO_EPOCHS = 64    # placement.epochs=auto on a GPU (at most one per request): 
 class Placement:
     """Placement epochs (``placement.epochs``): where an arm's weights, caches and graphs sit in GPU
     memory moves its step time (``experiments/placement.py``: up to 2 % between placements of one
-    q1-mini request, each placement steady within 0.1 %), and an arm keeps its placement as long as
+    q1-mini request, each placement steady within 0.1-0.2 %), and an arm keeps its placement as long as
     its engine and kept device loop live, so every request of the run shared it. The run is cut into
     epochs of consecutive requests; at each epoch's start every arm's engine is dropped and built
     again, in a random order, each after a pad of random size (``placement.pad_mib``) that is held
