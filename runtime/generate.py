@@ -68,20 +68,27 @@ def decode_text(ids: list[int], vocab_size: int) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli_config(config_name: str, argv: list[str] | None, help_text: str) -> tuple[dict | None, int]:
+    """A command's config from its overrides: (config, 0); or (None, status) after printing the help
+    (status 0) or the error of a bad override (2)."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(HELP)
-        return 0
+        print(help_text)
+        return None, 0
+    try:
+        return compose(config_name, argv), 0
+    except Exception as e:  # Hydra's own message names the bad override or the unknown model
+        print(f"error: {e}", file=sys.stderr)
+        return None, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, status = cli_config("generate", argv, HELP)
+    if cfg is None:
+        return status
     from .config import ConfigError
     from .engine import Engine, RequestError
     from .checkpoint import CheckpointError
-
-    try:
-        cfg = compose("generate", argv)
-    except Exception as e:  # Hydra's own message names the bad override or the unknown model
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     try:
         t0 = time.perf_counter()
         eng = Engine.build(cfg["model"], cfg["runtime"], cfg.get("checkpoint"), cfg.get("random_seed", 0))

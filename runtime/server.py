@@ -401,19 +401,13 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, log_requ
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(HELP)
-        return 0
     from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .generate import compose
+    from .generate import cli_config
 
-    try:
-        cfg = compose("server", argv)
-    except Exception as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg, status = cli_config("server", argv, HELP)
+    if cfg is None:
+        return status
     try:
         t0 = time.perf_counter()
         eng = Engine.build(cfg["model"], cfg["runtime"], cfg.get("checkpoint"), cfg.get("random_seed", 0))
