@@ -38,6 +38,14 @@ sqrt(half-width_side^2 + (z tau)^2). ``Effect.ci_requests`` keeps the request-on
 ``Effect.arm_sd`` the tau used (0 when the A/A arm shows no offset beyond its own noise). The A/A
 effect itself is not widened (it is the estimator).
 
+Placement epochs. On a GPU the offsets come from where an arm's buffers sit in memory
+(``experiments/notes/placement.md``), and ``replay.paired`` draws a new placement for every arm at each
+epoch (``placement.epochs``), recording each decode's epoch. The requests of an epoch share its arms'
+offsets, so where an epoch holds several requests the epoch is the unit: intervals (the effects' and
+the context bins') resample epochs, and the p-value, Hodges-Lehmann estimate, detectable effect and
+standard error are the epochs' means'. ``Effect.n_clusters`` says how many; ``analyze(cluster=False)``
+is the negative control that treats the requests as independent.
+
 Also computed: bit-exactness per request (identical ``tokens_sha`` across arms and reps), drift
 (slope of the per-request log-ratio against run order, with CI) and the effect against context
 length (slope per doubling, and per context-length bin).
@@ -444,15 +452,21 @@ def robust_slope(y, x, level: float = LEVEL, y_name: str = "y", x_name: str = "x
 
 
 def context_bins(table: pd.DataFrame, column: str = "tpot", n_bins: int = 4, level: float = LEVEL,
-                 n_boot: int = N_BOOT, seed: int = 0) -> pd.DataFrame:
-    """Mean log-ratio per context-length quantile bin, with bootstrap CIs."""
+                 n_boot: int = N_BOOT, seed: int = 0, clusters: pd.Series | None = None) -> pd.DataFrame:
+    """Mean log-ratio per context-length quantile bin, with bootstrap CIs (resampling the bin's
+    placement epochs where ``clusters``, by request, has fewer of them than requests)."""
     n_bins = max(1, min(n_bins, len(table) // 10))
     q = pd.qcut(table["context_len"], n_bins, duplicates="drop") if n_bins > 1 else None
     rows = []
     groups = table.groupby(q, observed=True) if q is not None else [("all", table)]
     for k, (_, t) in enumerate(groups):
         x = t[column].to_numpy()
-        lo, hi = bootstrap_ci(x, level, n_boot, _rng(seed, f"ctxbin{k}"), "percentile")
+        rng = _rng(seed, f"ctxbin{k}")
+        c = None if clusters is None else clusters.reindex(t.index).to_numpy()
+        if c is not None and 1 < len(set(c)) < len(x):
+            lo, hi = cluster_bootstrap_ci(x, c, level, n_boot, rng, "percentile")
+        else:
+            lo, hi = bootstrap_ci(x, level, n_boot, rng, "percentile")
         rows.append({"context_min": int(t["context_len"].min()), "context_max": int(t["context_len"].max()),
                      "n": len(x), "mean": float(np.mean(x)), "lo": lo, "hi": hi,
                      "pct": pct(float(np.mean(x))), "pct_lo": pct(lo), "pct_hi": pct(hi)})
@@ -591,7 +605,7 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
     ctx_slope = (robust_slope(cand["tpot"], np.log2(cand["context_len"].astype(np.float64)), level=level,
                            y_name="log TPOT ratio candidate/control", x_name="log2 context length")
                  if len(cand) > 2 else None)
-    bins = context_bins(per, "tpot", level=level, n_boot=n_boot, seed=seed)
+    bins = context_bins(per, "tpot", level=level, n_boot=n_boot, seed=seed, clusters=clus)
     return Analysis(
         run_id=str(run.manifest.get("run_id", "")), arms=arms, n_requests=len(cand),
         effects=effects, aa=aa, adjusted=adjusted, identity_residual=residual, bit_exact=bit,

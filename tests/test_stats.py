@@ -303,7 +303,10 @@ def test_cluster_statistics_and_the_epoch_column():
     assert sorted(run.requests["epoch"].unique()) == list(range(6))
     a = stats.analyze(run, n_boot=200)
     assert a.effects["tpot"].n_clusters == 6 and a.aa["tpot"].n_clusters == 6 and a.settings["clusters"] == 6
-    assert stats.analyze(run, n_boot=200, cluster=False).effects["tpot"].n_clusters is None
+    alone = stats.analyze(run, n_boot=200, cluster=False)
+    assert alone.effects["tpot"].n_clusters is None
+    width = lambda bins: float((bins["hi"] - bins["lo"]).sum())     # noqa: E731
+    assert width(a.context_bins) > width(alone.context_bins)       # the bins resample epochs too
     # a run that kept its engines (-1, or no column) has no clusters
     assert stats.request_clusters(run.requests.assign(epoch=-1)) is None
     assert stats.request_clusters(run.requests.drop(columns="epoch")) is None
