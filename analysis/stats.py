@@ -42,8 +42,8 @@ Placement epochs. On a GPU the offsets come from where an arm's buffers sit in m
 (``experiments/notes/placement.md``), and ``replay.paired`` draws a new placement for every arm at each
 epoch (``placement.epochs``), recording each decode's epoch. The requests of an epoch share its arms'
 offsets, so where an epoch holds several requests the epoch is the unit: intervals (the effects' and
-the context bins') resample epochs, and the p-value, Hodges-Lehmann estimate, detectable effect and
-standard error are the epochs' means'. ``Effect.n_clusters`` says how many; ``analyze(cluster=False)``
+the context bins') resample epochs; the p-value, Hodges-Lehmann estimate, detectable effect and
+standard error are the epochs' means', and so are the drift slopes' points. ``Effect.n_clusters`` says how many; ``analyze(cluster=False)``
 is the negative control that treats the requests as independent.
 
 Also computed: bit-exactness per request (identical ``tokens_sha`` across arms and reps), drift
@@ -548,6 +548,14 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         raise ValueError("no request has decodes of both control and candidate")
     clus = request_clusters(run.requests) if cluster else None
     of = lambda t: None if clus is None else clus.reindex(t.index).to_numpy()   # noqa: E731
+
+    def units(t: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
+        """``t``'s columns averaged per placement epoch where epochs hold several requests (the drift
+        slopes' points: an epoch's offsets would otherwise read as a trend over its requests)."""
+        c = of(t)
+        if c is None or len(set(c)) >= len(t):
+            return t[cols]
+        return t[cols].groupby(c).mean()
     effects = {m: summarize(cand[m], m, "candidate", "control", cand[f"control_log_{m}"],
                             cand[f"candidate_log_{m}"], clusters=of(cand), **kw) for m in METRICS}
     residual = float(np.max(np.abs(cand["tpot"] - (cand["step"] - cand["tps"]))))
@@ -580,8 +588,9 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
                 effects[m] = widen_for_arm_offset(effects[m], arm_offset_sd(aa[m]))
             adjusted = widen_for_arm_offset(adjusted, arm_offset_sd(aa["tpot"]))
         if len(aat) > 2:
-            drift["aa"] = robust_slope(aat["tpot"], aat["order"], level=level,
-                                    y_name="log TPOT ratio aa/control", x_name="run order")
+            u = units(aat, ["tpot", "order"])
+            drift["aa"] = robust_slope(u["tpot"], u["order"], level=level,
+                                       y_name="log TPOT ratio aa/control", x_name="run order")
 
     be = bit_exactness(run.requests).reindex(per.index)
     per["bit_exact"] = be["candidate"]
@@ -596,10 +605,11 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
            "aa_differing": per.index[per["aa_bit_exact"] == 0].tolist()[:50]}
 
     if len(cand) > 2:
-        drift["effect"] = robust_slope(cand["tpot"], cand["order"], level=level,
-                                    y_name="log TPOT ratio candidate/control", x_name="run order")
-        drift["environment"] = ols_slope(cand["control_log_step"], cand["order"],
-                                         [np.log(cand["context_len"].astype(np.float64))], level=level,
+        u = units(cand.assign(log_ctx=np.log(cand["context_len"].astype(np.float64))),
+                  ["tpot", "order", "control_log_step", "log_ctx"])
+        drift["effect"] = robust_slope(u["tpot"], u["order"], level=level,
+                                       y_name="log TPOT ratio candidate/control", x_name="run order")
+        drift["environment"] = ols_slope(u["control_log_step"], u["order"], [u["log_ctx"]], level=level,
                                          y_name="log control step latency (context held fixed)",
                                          x_name="run order")
     ctx_slope = (robust_slope(cand["tpot"], np.log2(cand["context_len"].astype(np.float64)), level=level,

@@ -307,6 +307,8 @@ def test_cluster_statistics_and_the_epoch_column():
     assert alone.effects["tpot"].n_clusters is None
     width = lambda bins: float((bins["hi"] - bins["lo"]).sum())     # noqa: E731
     assert width(a.context_bins) > width(alone.context_bins)       # the bins resample epochs too
+    assert a.drift["effect"].n == a.drift["aa"].n == a.drift["environment"].n == 6    # drift: one point an epoch
+    assert alone.drift["effect"].n == 24
     # a run that kept its engines (-1, or no column) has no clusters
     assert stats.request_clusters(run.requests.assign(epoch=-1)) is None
     assert stats.request_clusters(run.requests.drop(columns="epoch")) is None
