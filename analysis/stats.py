@@ -368,11 +368,10 @@ def summarize(x, metric: str, arm: str, base: str, before_logs=None, after_logs=
     if k < n:
         units = cluster_means(x, clusters)
         ci = cluster_bootstrap_ci(x, clusters, level, n_boot, rng, method)
-        mean = float(np.sum(x) / n)
     else:
         units, k = x, None
         ci = bootstrap_ci(x, level, n_boot, rng, method)
-        mean = float(np.mean(x)) if n else float("nan")
+    mean = float(np.mean(x)) if n else float("nan")
     m = len(units)
     usd = float(np.std(units, ddof=1)) if m > 1 else float("nan")
     hl, hlo, hhi = hodges_lehmann(units, level)

@@ -595,6 +595,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         fp_section = {"skipped": True}
 
     # the run directory
+    epochs = Placement(cfg, arms, int(cfg["reps"]) * len(reqs), weights)
     writer = rawout.RunWriter(run_dir, flush_every=int(cfg.get("flush_every") or 16))
     if manifest0 is None:
         from snapshots import tokenizer as tk
@@ -611,7 +612,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
                        "trace_corpus": trace["corpus_hash"], "trace": trace["name"], **snap_hashes},
             "status": "running", "expect_bit_exact": bool(cfg.get("expect_bit_exact")),
             "fingerprints": fp_section, "mlflow": None,
-            "placement": Placement(cfg, arms, int(cfg["reps"]) * len(reqs), weights).record(),
+            "placement": epochs.record(),
             "requests": [{"request_id": r.request_id, "context_len": r.n_tokens} for r in reqs],
             "started_utc": _utc(), "finished_utc": None, "resumed_utc": [],
         }
@@ -623,7 +624,6 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         writer.write_manifest(manifest)
 
     plan = schedule.plan([r.request_id for r in reqs], list(arms), int(cfg["reps"]), int(cfg["seed"]))
-    epochs = Placement(cfg, arms, len(plan) // len(arms), weights)
     if epochs.per_epoch:
         print(f"placement: {epochs.describe()}")
     done = writer.completed()

@@ -365,7 +365,7 @@ def make_handler(srv: EngineServer, log_requests: bool = True):
                     broken.set()
                     c.cancel.set()
             try:
-                out = srv.run(c, on_tokens, disconnected=lambda: broken.is_set() or gone())
+                out = srv.run(c, on_tokens, disconnected=gone)     # (a broken write has set c.cancel)
                 if broken.is_set():
                     self.close_connection = True
                     return
