@@ -4,6 +4,15 @@ coverage, and the acceptance rule — measured, not simulated.
     python experiments/replay_calibration.py [n_aa=20] [n_slow=20] [n_policy=3] [slowdown=0.10]
         [requests=12] [max_new_tokens=32] [policy_tokens=128] [model=q1-mini]
         [out=experiments/results/replay_calibration] [jobs=1] [extra="k=v k=v"]
+        [revision=HEAD] [select=shortest] [start=0] [budget_s=0]
+
+``revision`` is the git revision both arms load (``WORKTREE`` for an uncommitted tree, e.g. a device copy);
+``select`` how the requests are chosen (``requests.select``: shortest, spread, ...). ``start=K`` numbers the
+datasets K, K+1, ... (their seeds follow the number), so that batches run on different machines or calls
+merge: copy their ``runs/`` directories into one ``out`` and run again with ``start=0`` and the summed counts;
+complete run directories are read, not replayed. ``budget_s=S`` starts no replay after S seconds (a device
+command's limit): what finished is summarised, and the CSV is rewritten after every run, so an interrupted
+calibration keeps its rows.
 
 ``jobs=N`` runs N replays at once (each is its own process; the first one runs alone, so that
 snapshots missing from the store are captured once, not by N racing processes): for a machine
@@ -56,7 +65,7 @@ from harness_calibration import FPR_BOUNDS, summarize  # noqa: E402
 DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests": 12, "max_new_tokens": 32,
             "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
             "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128, "jobs": 1, "extra": "",
-            "slow_control": "gapped"}
+            "slow_control": "gapped", "revision": "HEAD", "select": "shortest", "start": 0, "budget_s": 0}
 
 
 def parse(argv):
@@ -72,8 +81,7 @@ def parse(argv):
 
 def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
     """One paired replay; returns its wall time. A complete run directory is reused."""
-    man = run_dir / "manifest.json"
-    if man.is_file() and json.loads(man.read_text()).get("status") == "complete":
+    if _complete(run_dir):
         return 0.0
     slow = [f"candidate.runtime.debug.step_delay_fraction={s['slowdown']}"]
     if s["slow_control"] == "gapped":   # the control pauses as long, untimed: only the timing differs
@@ -85,9 +93,10 @@ def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
             "policy": ["control.runtime.draft.policy=fixed", "control.runtime.draft.min_depth=1",
                        "control.runtime.draft.fixed_depth=1",
                        "candidate.runtime.draft.policy=fixed", "candidate.runtime.draft.fixed_depth=5"]}[scenario]
-    cmd = [sys.executable, "-m", "replay.paired", "control=HEAD", "candidate=HEAD", f"model={s['model']}",
+    rev = s["revision"]
+    cmd = [sys.executable, "-m", "replay.paired", f"control={rev}", f"candidate={rev}", f"model={s['model']}",
            "allow_identical=true", "traces.name=claude400", f"requests.n={s['requests']}",
-           "requests.select=shortest", f"seed={s['seed'] + i}",
+           f"requests.select={s['select']}", f"seed={s['seed'] + i}",
            # acceptance is a per-step average: the policy scenario decodes longer so it is measured
            f"max_new_tokens={s['policy_tokens'] if scenario == 'policy' else s['max_new_tokens']}",
            f"request_seed={1000 * (s['seed'] + 1) + i}", "tracking.enabled=false", "report=false",
@@ -121,23 +130,46 @@ def analyse(s: dict, scenario: str, i: int, run_dir: Path) -> dict:
     }
 
 
+def interleave(s: dict) -> list[tuple[str, int]]:
+    """The datasets in the order they run: the scenarios alternate (aa, slow, policy, aa, ...), so a run
+    cut short by ``budget_s`` still holds each scenario."""
+    k0 = int(s["start"])
+    queues = [[(scen, k0 + i) for i in range(int(s[f"n_{scen}"]))] for scen in ("aa", "slow", "policy")]
+    plan = []
+    for k in range(max((len(q) for q in queues), default=0)):
+        plan += [q[k] for q in queues if k < len(q)]
+    return plan
+
+
+def _complete(run_dir: Path) -> bool:
+    man = run_dir / "manifest.json"
+    return man.is_file() and json.loads(man.read_text()).get("status") == "complete"
+
+
 def main(argv) -> int:
     s = parse(argv)
     out = Path(s["out"])
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    plan = [("aa", i) for i in range(s["n_aa"])] + [("slow", i) for i in range(s["n_slow"])] + \
-           [("policy", i) for i in range(s["n_policy"])]
+    plan = interleave(s)
     rows, t_all = [], time.time()
+    budget = float(s["budget_s"] or 0)
+    skipped = []
 
     def one(job):
         scen, i = job
         d = out / "runs" / f"{scen}-{i:03d}"
+        if budget and time.time() - t_all > budget and not _complete(d):
+            skipped.append(job)
+            return scen, i, d, None
         return scen, i, d, replay(s, scen, i, d)
 
     def done(scen, i, d, wall):
+        if wall is None:
+            return
         row = analyse(s, scen, i, d)
         row["wall_s"] = round(wall, 1)
         rows.append(row)
+        pd.DataFrame(rows).to_csv(out / "replay_calibration.csv", index=False)   # kept if interrupted
         k, elapsed = len(rows), time.time() - t_all
         print(f"[{k}/{len(plan)}] {scen}#{i}: {row['call']:<12} tpot {stats.pct(row['mean_log']):+.2f}% "
               f"[{stats.pct(row['ci_lo']):+.2f}, {stats.pct(row['ci_hi']):+.2f}] flags={row['flags'] or '-'} "
@@ -149,6 +181,11 @@ def main(argv) -> int:
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         for fut in concurrent.futures.as_completed([pool.submit(one, job) for job in plan[1:]]):
             done(*fut.result())
+    if skipped:
+        print(f"budget_s={budget:g} spent: {len(skipped)} of {len(plan)} replays not started", flush=True)
+    if not rows:
+        print("no replay finished", file=sys.stderr)
+        return 1
     order = {(scen, i): k for k, (scen, i) in enumerate(plan)}
     rows.sort(key=lambda r: order[(r["scenario"], r["dataset"])])
     df = pd.DataFrame(rows)
@@ -163,20 +200,22 @@ def main(argv) -> int:
     pol = df[df.scenario == "policy"]
     acc_flag = float(pol["flags"].str.contains("acceptance_changed").mean()) if len(pol) else float("nan")
     checks = {"aa_false_positive_rate": fpr, "fpr_bounds": FPR_BOUNDS,
-              "fpr_ok": FPR_BOUNDS[0] <= fpr <= FPR_BOUNDS[1],
-              "slow_called_slower": power, "power_ok": power >= 0.9,
-              "slow_coverage": coverage, "coverage_ok": coverage >= 0.9,
+              "fpr_ok": FPR_BOUNDS[0] <= fpr <= FPR_BOUNDS[1] if len(aa) else None,
+              "slow_called_slower": power, "power_ok": power >= 0.9 if len(slow) else None,
+              "slow_coverage": coverage, "coverage_ok": coverage >= 0.9 if len(slow) else None,
               "slow_coverage_requests_only": coverage_req,
-              "policy_acceptance_flagged": acc_flag, "policy_ok": acc_flag == 1.0}
+              "policy_acceptance_flagged": acc_flag, "policy_ok": acc_flag == 1.0 if len(pol) else None}
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
     record = {"settings": s, "revision": rev, "dirty": dirty, "host": os.uname().nodename, "checks": checks,
+              "planned": len(plan), "finished": len(rows),
               "summary": json.loads(summ.to_json(orient="records")), "wall_s": round(time.time() - t_all, 1)}
     (out / "replay_calibration.json").write_text(json.dumps(record, indent=1))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print("\n" + summ.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in checks.items()))
-    return 0 if all(v for k, v in checks.items() if k.endswith("_ok")) else 1
+    # (a scenario with no finished run has its checks None: not run, neither passed nor failed)
+    return 0 if all(v for k, v in checks.items() if k.endswith("_ok") and v is not None) else 1
 
 
 if __name__ == "__main__":

@@ -195,3 +195,16 @@ def test_every_runtime_kernel_has_a_profile_part():
     assert unfiled == []
     assert bench_step.kernel_part("_route_folded_kernel") == "router"
     assert bench_step.kernel_part("_brand_new_kernel") == "other"
+
+
+def test_calibration_plan_alternates_scenarios_and_numbers_from_start():
+    """``experiments/replay_calibration.py``: the scenarios alternate, so a run cut short by ``budget_s``
+    holds each of them; ``start`` numbers the datasets (their seeds), so batches from two machines merge
+    without two datasets sharing a seed."""
+    import replay_calibration as rc
+    s = dict(rc.DEFAULTS, n_aa=3, n_slow=2, n_policy=1, start=0)
+    assert rc.interleave(s) == [("aa", 0), ("slow", 0), ("policy", 0), ("aa", 1), ("slow", 1), ("aa", 2)]
+    later = rc.interleave(dict(s, start=10))
+    assert [i for _, i in later] == [10, 10, 10, 11, 11, 12]
+    assert not {(c, i) for c, i in rc.interleave(s)} & {(c, i) for c, i in later}
+    assert rc.interleave(dict(s, n_aa=0, n_slow=0, n_policy=0)) == []
