@@ -108,6 +108,19 @@ def _speed(e: Effect) -> str:
     return f"{_num(v, d)}% {word} per output token [{_num(lo, d)}, {_num(hi, d)}]"
 
 
+def _split_evidence(e: Effect, alpha: float) -> str:
+    """When the interval and the signed-rank test disagree (one rejects 0, the other not), say so: a call
+    needs both, and an interval that excludes 0 under "no significant change" reads as a contradiction."""
+    if not (all(math.isfinite(v) for v in e.ci) and math.isfinite(e.p)):
+        return ""
+    excludes = e.ci[0] > 0 or e.ci[1] < 0
+    if excludes and e.p >= alpha:
+        return f" (the interval excludes 0 but the signed-rank test does not reject at {alpha:g}: a call needs both)"
+    if not excludes and e.p < alpha:
+        return f" (p < {alpha:g} but the interval holds 0: a call needs both)"
+    return ""
+
+
 def decide(a: Analysis, manifest: dict, alpha: float = ALPHA, aa_fraction: float = AA_FRACTION,
            min_requests: int = MIN_REQUESTS, host_fraction: float = HOST_FRACTION) -> Verdict:
     level_pct = f"{round(100 * a.settings.get('level', 0.95))}% CI"
@@ -132,7 +145,8 @@ def decide(a: Analysis, manifest: dict, alpha: float = ALPHA, aa_fraction: float
         call = "inconclusive"
         mde = pct(tpot.mde)
         parts.append(f"no significant change per output token: candidate {fmt_pct(tpot)} {level_pct}, "
-                     f"p={tpot.p:.2g}; detectable at this noise: \u00b1{_num(mde, pct_digits(mde))}%")
+                     f"p={tpot.p:.2g}{_split_evidence(tpot, alpha)}; detectable at this noise: "
+                     f"\u00b1{_num(mde, pct_digits(mde))}%")
         reasons.append(f"TPOT CI {'includes' if tpot.ci[0] <= 0 <= tpot.ci[1] else 'excludes'} 0, "
                        f"p={tpot.p:.2g}: inconclusive")
 

@@ -4,13 +4,13 @@ coverage, and the acceptance rule — measured, not simulated.
     python experiments/replay_calibration.py [n_aa=20] [n_slow=20] [n_policy=3] [slowdown=0.10]
         [requests=12] [max_new_tokens=32] [policy_tokens=128] [model=q1-mini]
         [out=experiments/results/replay_calibration] [jobs=1] [extra="k=v k=v"]
-        [revision=HEAD] [select=shortest] [start=0] [budget_s=0]
+        [revision=HEAD] [select=shortest] [start=0] [budget_s=0] [analyse_only=false]
 
 ``revision`` is the git revision both arms load (``WORKTREE`` for an uncommitted tree, e.g. a device copy);
 ``select`` how the requests are chosen (``requests.select``: shortest, spread, ...). ``start=K`` numbers the
 datasets K, K+1, ... (their seeds follow the number), so that batches run on different machines or calls
-merge: copy their ``runs/`` directories into one ``out`` and run again with ``start=0`` and the summed counts;
-complete run directories are read, not replayed. ``budget_s=S`` starts no replay after S seconds (a device
+merge: copy their ``runs/`` directories into one ``out`` and run ``analyse_only=true out=...``, which reads
+every complete run directory there and replays nothing (complete run directories are never replayed anyway). ``budget_s=S`` starts no replay after S seconds (a device
 command's limit): what finished is summarised, and the CSV is rewritten after every run, so an interrupted
 calibration keeps its rows.
 
@@ -56,7 +56,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+import scipy.stats  # noqa: E402
 
 from analysis import rawio, stats, verdict  # noqa: E402
 from analysis.report import parse_cli  # noqa: E402
@@ -65,7 +67,8 @@ from harness_calibration import FPR_BOUNDS, summarize  # noqa: E402
 DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests": 12, "max_new_tokens": 32,
             "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
             "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128, "jobs": 1, "extra": "",
-            "slow_control": "gapped", "revision": "HEAD", "select": "shortest", "start": 0, "budget_s": 0}
+            "slow_control": "gapped", "revision": "HEAD", "select": "shortest", "start": 0, "budget_s": 0,
+            "analyse_only": False}
 
 
 def parse(argv):
@@ -141,6 +144,36 @@ def interleave(s: dict) -> list[tuple[str, int]]:
     return plan
 
 
+def null_intervals(df: pd.DataFrame) -> dict:
+    """Every interval of a run whose true effect is 0: the A/A arm's in every run and the candidate's in the
+    aa runs (twice the A/A scenario's runs' worth of evidence on the intervals' calibration). ``holding``:
+    the share that holds 0 (nominal: the level); ``z_rms``: the root mean square of estimate / standard
+    error, the error read from the interval's width (1 when the intervals are as wide as the scatter of
+    the estimates; above 1, too narrow)."""
+    z = scipy.stats.norm.ppf(0.5 + (1 - float(df.attrs.get("alpha", 0.05))) / 2)
+    est = pd.concat([df["aa_mean_log"], df.loc[df.scenario == "aa", "mean_log"]])
+    lo = pd.concat([df["aa_lo"], df.loc[df.scenario == "aa", "ci_lo"]])
+    hi = pd.concat([df["aa_hi"], df.loc[df.scenario == "aa", "ci_hi"]])
+    ok = (lo <= 0) & (hi >= 0)
+    se = (hi - lo) / (2 * z)
+    zs = (est / se.where(se > 0)).dropna()
+    return {"n": int(len(est)), "holding": float(ok.mean()) if len(est) else float("nan"),
+            "z_rms": float(np.sqrt((zs ** 2).mean())) if len(zs) else float("nan")}
+
+
+def finished(out: Path) -> list[tuple[str, int]]:
+    """The complete run directories under ``out/runs`` (``<scenario>-<dataset>``), in interleaved order."""
+    found = {}
+    for d in sorted((out / "runs").glob("*-*")):
+        scen, _, num = d.name.rpartition("-")
+        if scen in ("aa", "slow", "policy") and num.isdigit() and _complete(d):
+            found.setdefault(scen, []).append((scen, int(num)))
+    plan = []
+    for k in range(max((len(q) for q in found.values()), default=0)):
+        plan += [q[k] for q in (found.get(c, []) for c in ("aa", "slow", "policy")) if k < len(q)]
+    return plan
+
+
 def _complete(run_dir: Path) -> bool:
     man = run_dir / "manifest.json"
     return man.is_file() and json.loads(man.read_text()).get("status") == "complete"
@@ -150,7 +183,10 @@ def main(argv) -> int:
     s = parse(argv)
     out = Path(s["out"])
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    plan = interleave(s)
+    plan = finished(out) if s["analyse_only"] else interleave(s)
+    if not plan:
+        sys.exit(f"error: no complete run directory under {out / 'runs'}" if s["analyse_only"] else
+                 "error: nothing to run (n_aa, n_slow and n_policy are 0)")
     rows, t_all = [], time.time()
     budget = float(s["budget_s"] or 0)
     skipped = []
@@ -189,6 +225,7 @@ def main(argv) -> int:
     order = {(scen, i): k for k, (scen, i) in enumerate(plan)}
     rows.sort(key=lambda r: order[(r["scenario"], r["dataset"])])
     df = pd.DataFrame(rows)
+    df.attrs["alpha"] = s["alpha"]
     df.to_csv(out / "replay_calibration.csv", index=False)
     summ = summarize(df.drop(columns=["headline", "run_dir", "wall_s"]))
     aa = df[df.scenario == "aa"]
@@ -199,12 +236,16 @@ def main(argv) -> int:
     coverage_req = float(slow["covered_requests_only"].astype(float).mean()) if len(slow) else float("nan")
     pol = df[df.scenario == "policy"]
     acc_flag = float(pol["flags"].str.contains("acceptance_changed").mean()) if len(pol) else float("nan")
+    null = null_intervals(df)
     checks = {"aa_false_positive_rate": fpr, "fpr_bounds": FPR_BOUNDS,
               "fpr_ok": FPR_BOUNDS[0] <= fpr <= FPR_BOUNDS[1] if len(aa) else None,
               "slow_called_slower": power, "power_ok": power >= 0.9 if len(slow) else None,
               "slow_coverage": coverage, "coverage_ok": coverage >= 0.9 if len(slow) else None,
               "slow_coverage_requests_only": coverage_req,
-              "policy_acceptance_flagged": acc_flag, "policy_ok": acc_flag == 1.0 if len(pol) else None}
+              "policy_acceptance_flagged": acc_flag, "policy_ok": acc_flag == 1.0 if len(pol) else None,
+              # reported, not checked: every interval whose truth is 0 (each run's A/A arm, the aa runs' candidate)
+              "null_intervals": null["n"], "null_intervals_holding_0": null["holding"],
+              "null_z_rms": null["z_rms"]}
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
     record = {"settings": s, "revision": rev, "dirty": dirty, "host": os.uname().nodename, "checks": checks,

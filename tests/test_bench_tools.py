@@ -208,3 +208,26 @@ def test_calibration_plan_alternates_scenarios_and_numbers_from_start():
     assert [i for _, i in later] == [10, 10, 10, 11, 11, 12]
     assert not {(c, i) for c, i in rc.interleave(s)} & {(c, i) for c, i in later}
     assert rc.interleave(dict(s, n_aa=0, n_slow=0, n_policy=0)) == []
+
+
+def test_calibration_null_intervals_read_the_width_against_the_scatter():
+    """Every interval whose truth is 0 (each run's A/A arm, the aa runs' candidate) counts; intervals as wide
+    as the estimates' scatter read z_rms ~ 1 and hold 0 ~95 % of the time; the negative control, the same
+    estimates with intervals half as wide, reads z_rms ~ 2 and holds 0 far less often."""
+    import numpy as np
+    import pandas as pd
+    import replay_calibration as rc
+    rng = np.random.default_rng(0)
+    n, se = 400, 0.002
+    est = rng.normal(0.0, se, size=(n, 2))
+    slow = np.arange(n) % 2 == 1
+
+    def frame(width):
+        half = 1.959963984540054 * se * width
+        return pd.DataFrame({"scenario": np.where(slow, "slow", "aa"),
+                             "aa_mean_log": est[:, 0], "aa_lo": est[:, 0] - half, "aa_hi": est[:, 0] + half,
+                             "mean_log": est[:, 1], "ci_lo": est[:, 1] - half, "ci_hi": est[:, 1] + half})
+    good, narrow = rc.null_intervals(frame(1.0)), rc.null_intervals(frame(0.5))
+    assert good["n"] == narrow["n"] == n + n // 2       # the slow runs' candidates are not null intervals
+    assert 0.9 <= good["holding"] <= 0.99 and 0.9 <= good["z_rms"] <= 1.1, good
+    assert narrow["holding"] < 0.8 and narrow["z_rms"] > 1.8, narrow

@@ -59,6 +59,19 @@ def test_significance_needs_both_ci_and_rank_test():
     assert verdict.decide(hand_built(tpot=(0.02, 0.01, 0.03, 0.01)), MANIFEST).call == "slower"
 
 
+def test_inconclusive_headline_says_which_evidence_disagrees():
+    """Interval excluding 0 with p >= alpha (a GPU A/A run of session 56 read "no significant change ...
+    [-0.9, -0.1]"), and the reverse: the headline names the disagreement; when both agree, nothing is added
+    (the control: an interval holding 0 with a large p)."""
+    ci_only = verdict.decide(hand_built(tpot=(-0.004, -0.009, -0.001, 0.065)), MANIFEST)
+    assert ci_only.call == "inconclusive"
+    assert "the interval excludes 0 but the signed-rank test does not reject at 0.05" in ci_only.headline
+    p_only = verdict.decide(hand_built(tpot=(0.0035, -0.0005, 0.0081, 0.027)), MANIFEST)
+    assert p_only.call == "inconclusive" and "p < 0.05 but the interval holds 0" in p_only.headline
+    agree = verdict.decide(hand_built(tpot=(0.001, -0.003, 0.005, 0.6)), MANIFEST)
+    assert agree.call == "inconclusive" and "a call needs both" not in agree.headline
+
+
 def test_insufficient_requests():
     v = verdict.decide(hand_built(n=5, exact=5, aa_exact=5), MANIFEST)
     assert v.call == "insufficient"
