@@ -331,8 +331,10 @@ def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
         drows.append(["context", f"{c.y} per doubling of context", f"{stats.pct(c.slope):+.3f}%",
                       f"[{stats.pct(c.ci[0]):+.3f}%, {stats.pct(c.ci[1]):+.3f}%]", _p_fmt(c.p)])
     B += [("h", 2, "Drift and context length"),
-          ("p", "Theil–Sen slopes over requests (environment: least squares with context length held "
-                "fixed); for run order the change is over the whole run."),
+          ("p", ("Theil–Sen slopes over requests" if not a.settings.get("clusters") else
+                 f"Theil–Sen slopes over the {a.settings['clusters']} placement epochs (each epoch's mean: "
+                 "its requests share the arms' placement)") + " (environment: least squares with context "
+                "length held fixed); for run order the change is over the whole run."),
           ("table", ["slope", "of", "change", lvl, "p"], drows)]
     if len(a.context_bins):
         B.append(("table", ["context length", "requests", "TPOT change", lvl],

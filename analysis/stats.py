@@ -549,8 +549,9 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
     of = lambda t: None if clus is None else clus.reindex(t.index).to_numpy()   # noqa: E731
 
     def units(t: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
-        """``t``'s columns averaged per placement epoch where epochs hold several requests (the drift
-        slopes' points: an epoch's offsets would otherwise read as a trend over its requests)."""
+        """``t``'s columns averaged per placement epoch where epochs hold several requests (the drift and
+        context slopes' points: an epoch's offsets would otherwise read as a trend over its requests, which
+        run in order and, with ``requests.select`` first or spread, in context order too)."""
         c = of(t)
         if c is None or len(set(c)) >= len(t):
             return t[cols]
@@ -611,9 +612,11 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         drift["environment"] = ols_slope(u["control_log_step"], u["order"], [u["log_ctx"]], level=level,
                                          y_name="log control step latency (context held fixed)",
                                          x_name="run order")
-    ctx_slope = (robust_slope(cand["tpot"], np.log2(cand["context_len"].astype(np.float64)), level=level,
-                           y_name="log TPOT ratio candidate/control", x_name="log2 context length")
-                 if len(cand) > 2 else None)
+    ctx_slope = None
+    if len(cand) > 2:   # one point per epoch too: requests run in context order fill an epoch with neighbours
+        u = units(cand.assign(log2_ctx=np.log2(cand["context_len"].astype(np.float64))), ["tpot", "log2_ctx"])
+        ctx_slope = robust_slope(u["tpot"], u["log2_ctx"], level=level,
+                                 y_name="log TPOT ratio candidate/control", x_name="log2 context length")
     bins = context_bins(per, "tpot", level=level, n_boot=n_boot, seed=seed, clusters=clus)
     return Analysis(
         run_id=str(run.manifest.get("run_id", "")), arms=arms, n_requests=len(cand),
