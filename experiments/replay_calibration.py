@@ -10,9 +10,9 @@ coverage, and the acceptance rule — measured, not simulated.
 ``select`` how the requests are chosen (``requests.select``: shortest, spread, ...). ``start=K`` numbers the
 datasets K, K+1, ... (their seeds follow the number), so that batches run on different machines or calls
 merge: copy their ``runs/`` directories into one ``out`` and run ``analyse_only=true out=...``, which reads
-every complete run directory there and replays nothing (complete run directories are never replayed anyway). ``budget_s=S`` starts no replay after S seconds (a device
-command's limit): what finished is summarised, and the CSV is rewritten after every run, so an interrupted
-calibration keeps its rows.
+every complete run directory there and replays nothing (a complete run directory is never replayed).
+``budget_s=S`` starts no replay after S seconds (a device command's limit): what finished is summarised,
+and the CSV is rewritten after every run, so an interrupted calibration keeps its rows.
 
 ``jobs=N`` runs N replays at once (each is its own process; the first one runs alone, so that
 snapshots missing from the store are captured once, not by N racing processes): for a machine
@@ -64,6 +64,7 @@ from analysis import rawio, stats, verdict  # noqa: E402
 from analysis.report import parse_cli  # noqa: E402
 from harness_calibration import FPR_BOUNDS, summarize  # noqa: E402
 
+SCENARIOS = ("aa", "slow", "policy")
 DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests": 12, "max_new_tokens": 32,
             "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
             "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128, "jobs": 1, "extra": "",
@@ -137,7 +138,11 @@ def interleave(s: dict) -> list[tuple[str, int]]:
     """The datasets in the order they run: the scenarios alternate (aa, slow, policy, aa, ...), so a run
     cut short by ``budget_s`` still holds each scenario."""
     k0 = int(s["start"])
-    queues = [[(scen, k0 + i) for i in range(int(s[f"n_{scen}"]))] for scen in ("aa", "slow", "policy")]
+    return _alternate([[(scen, k0 + i) for i in range(int(s[f"n_{scen}"]))] for scen in SCENARIOS])
+
+
+def _alternate(queues: list[list]) -> list:
+    """The queues' first items, then their second items, ..."""
     plan = []
     for k in range(max((len(q) for q in queues), default=0)):
         plan += [q[k] for q in queues if k < len(q)]
@@ -150,7 +155,7 @@ def null_intervals(df: pd.DataFrame) -> dict:
     the share that holds 0 (nominal: the level); ``z_rms``: the root mean square of estimate / standard
     error, the error read from the interval's width (1 when the intervals are as wide as the scatter of
     the estimates; above 1, too narrow)."""
-    z = scipy.stats.norm.ppf(0.5 + (1 - float(df.attrs.get("alpha", 0.05))) / 2)
+    z = scipy.stats.norm.ppf(0.5 + stats.LEVEL / 2)      # the level analyse's intervals have
     est = pd.concat([df["aa_mean_log"], df.loc[df.scenario == "aa", "mean_log"]])
     lo = pd.concat([df["aa_lo"], df.loc[df.scenario == "aa", "ci_lo"]])
     hi = pd.concat([df["aa_hi"], df.loc[df.scenario == "aa", "ci_hi"]])
@@ -172,15 +177,12 @@ def counted(hits: pd.Series) -> str:
 
 def finished(out: Path) -> list[tuple[str, int]]:
     """The complete run directories under ``out/runs`` (``<scenario>-<dataset>``), in interleaved order."""
-    found = {}
+    found = {scen: [] for scen in SCENARIOS}
     for d in sorted((out / "runs").glob("*-*")):
         scen, _, num = d.name.rpartition("-")
-        if scen in ("aa", "slow", "policy") and num.isdigit() and _complete(d):
-            found.setdefault(scen, []).append((scen, int(num)))
-    plan = []
-    for k in range(max((len(q) for q in found.values()), default=0)):
-        plan += [q[k] for q in (found.get(c, []) for c in ("aa", "slow", "policy")) if k < len(q)]
-    return plan
+        if scen in found and num.isdigit() and _complete(d):
+            found[scen].append((scen, int(num)))
+    return _alternate(list(found.values()))
 
 
 def _complete(run_dir: Path) -> bool:
@@ -234,7 +236,6 @@ def main(argv) -> int:
     order = {(scen, i): k for k, (scen, i) in enumerate(plan)}
     rows.sort(key=lambda r: order[(r["scenario"], r["dataset"])])
     df = pd.DataFrame(rows)
-    df.attrs["alpha"] = s["alpha"]
     df.to_csv(out / "replay_calibration.csv", index=False)
     summ = summarize(df.drop(columns=["headline", "run_dir", "wall_s"]))
     aa = df[df.scenario == "aa"]
