@@ -120,12 +120,14 @@ def plot_effect_vs_context(a: Analysis) -> bytes:
         mid = np.sqrt(b["context_min"].to_numpy(float) * b["context_max"].to_numpy(float))
         ax.errorbar(mid, b["pct"], yerr=[b["pct"] - b["pct_lo"], b["pct_hi"] - b["pct"]], fmt="o",
                     color="black", capsize=4, label="bin mean with CI")
-    if len(x) > 2 and np.ptp(x) > 0:
-        import scipy.stats
-        ts = scipy.stats.theilslopes(per["tpot"].to_numpy(), np.log2(x))
+    c = a.context_slope
+    if c is not None and math.isfinite(c.slope) and len(x) > 2 and np.ptp(x) > 0:
+        # the analysis's slope (over placement epochs where they hold several requests), through the medians
+        y, lx = per["tpot"].to_numpy(), np.log2(x)
+        b0 = float(np.median(y) - c.slope * np.median(lx))
         xs = np.geomspace(x.min(), x.max(), 50)
-        ax.plot(xs, 100 * np.expm1(ts.intercept + ts.slope * np.log2(xs)), "-", color="black", lw=1,
-                label="Theil-Sen fit")
+        ax.plot(xs, 100 * np.expm1(b0 + c.slope * np.log2(xs)), "-", color="black", lw=1,
+                label="Theil-Sen fit" + (" (over placement epochs)" if a.settings.get("clusters") else ""))
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("context length (tokens)")

@@ -38,8 +38,9 @@ replicate uses its own request seed and schedule seed, so token sequences and ar
 - ``policy``: the candidate changes only the draft policy (5 drafts per step against control's 1):
   it must be reported as an acceptance change (flag ``acceptance_changed``: tokens per step moved),
   not only as a latency change.
-Every run directory is kept under ``out/runs``; the per-run rows go to ``out/replay_calibration.csv``
-and the summary to ``out/replay_calibration.json``. Exit status 1 when a bound is missed.
+Every run directory is kept under ``out/runs``; the per-run rows go to ``out/replay_calibration.csv``,
+the summary to ``out/replay_calibration.json`` and every interval against its truth to
+``out/replay_calibration.png``. Exit status 1 when a bound is missed.
 """
 from __future__ import annotations
 
@@ -166,6 +167,36 @@ def null_intervals(df: pd.DataFrame) -> dict:
             "z_rms": float(np.sqrt((zs ** 2).mean())) if len(zs) else float("nan")}
 
 
+def plot_intervals(df: pd.DataFrame, path: Path) -> int:
+    """One row per interval: each run's candidate interval against its truth (0 in the aa runs, the slowdown
+    in the slow runs) and its A/A arm's against 0; an interval that misses its truth is drawn red. Writes
+    ``path`` (PNG) and returns the number of misses drawn."""
+    from analysis.report import _plt
+    plt = _plt()
+    items = []
+    for r in df.itertuples():
+        if math.isfinite(r.truth_log):
+            items.append((f"{r.scenario}#{r.dataset} candidate", r.mean_log, r.ci_lo, r.ci_hi, r.truth_log))
+        items.append((f"{r.scenario}#{r.dataset} A/A", r.aa_mean_log, r.aa_lo, r.aa_hi, 0.0))
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.22 * len(items)))
+    misses = 0
+    for k, (name, m, lo, hi, truth) in enumerate(items):
+        miss = not lo <= truth <= hi
+        misses += miss
+        color = "tab:red" if miss else ("tab:blue" if name.endswith("candidate") else "tab:gray")
+        ax.plot([100 * math.expm1(lo), 100 * math.expm1(hi)], [k, k], "-", color=color, lw=2)
+        ax.plot([100 * math.expm1(m)], [k], "o", color=color, ms=3)
+        ax.plot([100 * math.expm1(truth)], [k], "|", color="black", ms=9)
+    ax.set_yticks(range(len(items)), [n for n, *_ in items], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", lw=0.6)
+    ax.set_xlabel("TPOT change (%); | = the truth, red = an interval that misses it")
+    ax.set_title(f"{len(items)} intervals, {misses} missing their truth")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return misses
+
+
 def counted(hits: pd.Series) -> str:
     """'k of n (rate; exact 95 % interval lo-hi)', or 'none run'."""
     n, k = int(len(hits)), int(hits.sum())
@@ -269,6 +300,7 @@ def main(argv) -> int:
               "planned": len(plan), "finished": len(rows),
               "summary": json.loads(summ.to_json(orient="records")), "wall_s": round(time.time() - t_all, 1)}
     (out / "replay_calibration.json").write_text(json.dumps(record, indent=1))
+    plot_intervals(df, out / "replay_calibration.png")
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print("\n" + summ.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in checks.items() if k != "counts"))

@@ -231,3 +231,19 @@ def test_calibration_null_intervals_read_the_width_against_the_scatter():
     assert good["n"] == narrow["n"] == n + n // 2       # the slow runs' candidates are not null intervals
     assert 0.9 <= good["holding"] <= 0.99 and 0.9 <= good["z_rms"] <= 1.1, good
     assert narrow["holding"] < 0.8 and narrow["z_rms"] > 1.8, narrow
+
+
+def test_calibration_plot_counts_the_intervals_that_miss_their_truth(tmp_path):
+    """Each run draws its candidate's interval against its truth and its A/A arm's against 0; the misses are
+    counted (and drawn red). Control: the same runs with the slow run's truth moved outside its interval."""
+    import math
+
+    import pandas as pd
+    import replay_calibration as rc
+    df = pd.DataFrame({"scenario": ["aa", "slow"], "dataset": [0, 1], "truth_log": [0.0, math.log1p(0.01)],
+                       "mean_log": [-0.004, 0.011], "ci_lo": [-0.009, 0.008], "ci_hi": [-0.001, 0.014],
+                       "aa_mean_log": [0.001, 0.003], "aa_lo": [-0.002, 0.0001], "aa_hi": [0.004, 0.006]})
+    assert rc.plot_intervals(df, tmp_path / "a.png") == 2          # aa#0's candidate, slow#1's A/A arm
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    moved = df.assign(truth_log=[0.0, math.log1p(0.02)])
+    assert rc.plot_intervals(moved, tmp_path / "b.png") == 3
