@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 from runtime.checkpoint import random_tensors
 from runtime.config import TPConfig, load_model_config, runtime_config_from_dict
 from runtime.engine import Engine
+from runtime.graphs import fork_request
 from runtime.parallel import EmulatedComm
 
 W = 6                    # verify rows
@@ -229,9 +230,10 @@ def test_interpreted_peer_paths_variant_takes_the_tp_paths(interp):
     spied = ((fastmod._sampler, "sample_topk_topp"), (fastmod._router, "route_folded"),
              (fastmod._norm, "fused_add_rmsnorm"), (fastmod._peer, "peer_add_rmsnorm"))
     counts, states, xchg, logits = {}, {}, {}, {}
+    rnd0, st0 = eng.start(prompt_for(cfg, 40), 0, 16)   # one start; each arm a fork (variants copy the model)
     for arm in ("default", "peer_paths", "sampler_one_stage", "peer_fused", "peer_fused_reduce_apart",
                 "peer_fused_o_apart", "peer_fused_ones"):
-        rnd, st = eng.start(prompt_for(cfg, 40), 0, 16)
+        rnd, st = fork_request(rnd0, st0)
         if arm == "peer_fused_ones":
             bad = eng.comm.peer_exchange(8, cfg.hidden_size, eng.device)
             bad.buffers[1].fill_(0.03)   # (at 1.0 the residual overflows and the draw indexes garbage)
