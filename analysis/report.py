@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from analysis import rawio, stats, verdict
 from analysis.stats import METRIC_NAMES, Analysis, Effect
@@ -258,6 +259,17 @@ def _p_fmt(v):
     return f"{v:.2g}" if math.isfinite(v) else "n/a"
 
 
+def extreme_requests(per: pd.DataFrame, k: int = 5) -> pd.DataFrame:
+    """The k requests with the most negative and the k with the most positive TPOT effect (all of them
+    when there are at most 2k), most negative first; ``aa_tpot`` NaN where there is no A/A arm."""
+    if not len(per) or "tpot" not in per:
+        return per.iloc[:0]
+    if "request_id" not in per:
+        per = per.rename_axis("request_id").reset_index()
+    t = per.assign(aa_tpot=per["aa_tpot"] if "aa_tpot" in per else np.nan).sort_values("tpot")
+    return t if len(t) <= 2 * k else pd.concat([t.head(k), t.tail(k)])
+
+
 def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
                  plots: list[tuple[str, str, bytes]]) -> list[tuple]:
     m = run.manifest
@@ -342,6 +354,17 @@ def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
         B.append(("table", ["context length", "requests", "TPOT change", lvl],
                   [[f"{r.context_min:,}–{r.context_max:,}", str(r.n), f"{r.pct:+.2f}%",
                     f"[{r.pct_lo:+.2f}%, {r.pct_hi:+.2f}%]"] for r in a.context_bins.itertuples()]))
+    ext = extreme_requests(a.per_request)
+    if len(ext):
+        ep = "epoch" in ext
+        B += [("h", 2, "The requests with the largest effects"),
+              ("p", "Per-request TPOT change, the most negative and the most positive. An A/A change of the "
+                    "same size in the same request points at the request's noise (e.g. one arm's placement), "
+                    "not at the candidate."),
+              ("table", ["request", "context", "candidate vs control", "A/A vs control"] + (["epoch"] if ep else []),
+               [[r.request_id, f"{int(r.context_len):,}", f"{stats.pct(r.tpot):+.2f}%",
+                 "–" if not np.isfinite(r.aa_tpot) else f"{stats.pct(r.aa_tpot):+.2f}%"]
+                + ([str(int(r.epoch))] if ep else []) for r in ext.itertuples()])]
     B.append(("h", 2, "Plots"))
     for name, title, png in plots:
         B.append(("img", name, title, png))

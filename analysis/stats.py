@@ -564,6 +564,8 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
                         "order": cand["order"].to_numpy(), "n_reps": cand["n_reps"].to_numpy()})
     for m in METRICS:
         per[m] = cand[m].to_numpy()
+    if clus is not None:
+        per["epoch"] = clus.reindex(cand.index).to_numpy()
     per["control_tpot_ns"] = np.exp(cand["control_log_tpot"].to_numpy())
     per["candidate_tpot_ns"] = np.exp(cand["candidate_log_tpot"].to_numpy())
     per = per.set_index("request_id")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 import subprocess
 import sys
@@ -57,6 +58,23 @@ def test_report_is_self_contained_with_plots_and_headline(run_dir):
         assert f"plots/{name}.png" in md
     per = pd.read_csv(out / "per_request.csv")
     assert len(per) == 40 and {"tpot", "step", "tps", "bit_exact"} <= set(per.columns)
+    # the requests with the largest effects: the five lowest and five highest per-request TPOT changes, in
+    # order, each with its A/A change (the table's rows read back from the markdown)
+    rows = md.split("## The requests with the largest effects")[1].split("\n## ")[0]
+    listed = re.findall(r"^\| (\S+) \| [\d,]+ \| ([+-]\d+\.\d\d)% \| ([+-]\d+\.\d\d)% \|$", rows, flags=re.M)
+    order = per.sort_values("tpot")
+    expect = pd.concat([order.head(5), order.tail(5)])
+    assert [r[0] for r in listed] == expect["request_id"].tolist()
+    assert [float(r[2]) for r in listed] == [float(f"{100 * math.expm1(x):+.2f}") for x in expect["aa_tpot"]]
+
+
+def test_extreme_requests_takes_both_ends_or_everything():
+    per = pd.DataFrame({"request_id": list("abcdefghijkl"), "tpot": [0.05, -0.01, 0.0, 0.02, -0.04, 0.01,
+                                                                       0.03, -0.02, 0.04, -0.03, 0.06, -0.05]})
+    ext = report.extreme_requests(per, k=2)
+    assert ext["request_id"].tolist() == ["l", "e", "a", "k"] and ext["aa_tpot"].isna().all()
+    assert report.extreme_requests(per.head(4), k=2)["request_id"].tolist() == ["b", "c", "d", "a"]
+    assert len(report.extreme_requests(per.iloc[:0])) == 0
 
 
 def test_report_cli_subprocess_and_help(run_dir, tmp_path, capsys):
