@@ -224,11 +224,11 @@ def _complete(run_dir: Path) -> bool:
 def main(argv) -> int:
     s = parse(argv)
     out = Path(s["out"])
-    (out / "runs").mkdir(parents=True, exist_ok=True)
     plan = finished(out) if s["analyse_only"] else interleave(s)
     if not plan:
         sys.exit(f"error: no complete run directory under {out / 'runs'}" if s["analyse_only"] else
                  "error: nothing to run (n_aa, n_slow and n_policy are 0)")
+    (out / "runs").mkdir(parents=True, exist_ok=True)
     rows, t_all = [], time.time()
     budget = float(s["budget_s"] or 0)
     skipped = []
