@@ -264,8 +264,8 @@ def extreme_requests(per: pd.DataFrame, k: int = 5) -> pd.DataFrame:
     when there are at most 2k), most negative first; ``aa_tpot`` NaN where there is no A/A arm."""
     if not len(per) or "tpot" not in per:
         return per.iloc[:0]
-    if "request_id" not in per:
-        per = per.rename_axis("request_id").reset_index()
+    if "request_id" not in per:            # analyze's per_request: indexed by request_id
+        per = per.reset_index()
     t = per.assign(aa_tpot=per["aa_tpot"] if "aa_tpot" in per else np.nan).sort_values("tpot")
     return t if len(t) <= 2 * k else pd.concat([t.head(k), t.tail(k)])
 

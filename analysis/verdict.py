@@ -69,7 +69,11 @@ def is_significant(e: Effect | None, alpha: float = ALPHA) -> bool:
     """CI excludes 0 and Wilcoxon p < alpha."""
     if e is None or not all(math.isfinite(v) for v in e.ci) or not math.isfinite(e.p):
         return False
-    return (e.ci[0] > 0 or e.ci[1] < 0) and e.p < alpha
+    return _excludes_zero(e) and e.p < alpha
+
+
+def _excludes_zero(e: Effect) -> bool:
+    return e.ci[0] > 0 or e.ci[1] < 0
 
 
 def aa_bound(aa: Effect) -> float:
@@ -113,7 +117,7 @@ def _split_evidence(e: Effect, alpha: float) -> str:
     needs both, and an interval that excludes 0 under "no significant change" reads as a contradiction."""
     if not (all(math.isfinite(v) for v in e.ci) and math.isfinite(e.p)):
         return ""
-    excludes = e.ci[0] > 0 or e.ci[1] < 0
+    excludes = _excludes_zero(e)
     if excludes and e.p >= alpha:
         return f" (the interval excludes 0 but the signed-rank test does not reject at {alpha:g}: a call needs both)"
     if not excludes and e.p < alpha:
