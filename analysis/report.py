@@ -270,6 +270,25 @@ def extreme_requests(per: pd.DataFrame, k: int = 5) -> pd.DataFrame:
     return t if len(t) <= 2 * k else pd.concat([t.head(k), t.tail(k)])
 
 
+def arm_offset_blocks(a: Analysis) -> list[tuple]:
+    """What the candidate's intervals were widened by: the A/A arm's offset beyond its own noise, or the
+    run's recorded floor (``arm_sd_floor``), whichever is larger (``analysis.stats``)."""
+    t, floor = a.effects["tpot"], float(a.settings.get("arm_sd_floor") or 0.0)
+    own = stats.arm_offset_sd(a.aa["tpot"]) if a.aa else None
+    seen = ("this run's A/A arm shows none beyond its own request noise" if own == 0 else
+            "this run has no A/A arm" if own is None else
+            f"this run's A/A arm shows {100 * own:.2f}% beyond its own request noise")
+    if t.ci_requests is None:
+        return [("p", f"Arm offset: {seen}, and the run recorded no floor; the intervals are the "
+                      f"request-resampling ones.")] if (own == 0 or own is None) else []
+    lo, hi = (stats.pct(v) for v in t.ci_requests)
+    why = (f"the run's floor ({100 * floor:.2f}%, `arm_sd_floor`: the offset a candidate identical to control "
+           f"showed across calibration replays; {seen})" if t.arm_sd <= floor else seen)
+    return [("p", f"Arm offset: every candidate interval above is widened in quadrature by an arm offset "
+                  f"of sd {100 * t.arm_sd:.2f}% on the log scale, {why}. The TPOT interval from resampling "
+                  f"requests alone is [{lo:+.1f}%, {hi:+.1f}%].")]
+
+
 def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
                  plots: list[tuple[str, str, bytes]]) -> list[tuple]:
     m = run.manifest
@@ -297,16 +316,7 @@ def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
             e = a.adjusted
             B.append(("p", f"A/A-adjusted TPOT effect (per request log(cand/ctrl) − log(aa/ctrl)): "
                            f"{verdict.fmt_pct(e)} {lvl}, p={_p_fmt(e.p)}, n={e.n}."))
-        t = a.effects["tpot"]
-        if t.ci_requests is not None:
-            lo, hi = (stats.pct(v) for v in t.ci_requests)
-            B.append(("p", f"Arm offset: the A/A arm differs from control by more than its own request "
-                           f"noise (offset sd {100 * t.arm_sd:.2f}% on the log scale), so every "
-                           f"candidate interval above is widened by it in quadrature; the TPOT interval "
-                           f"from resampling requests alone is [{lo:+.1f}%, {hi:+.1f}%]."))
-        else:
-            B.append(("p", "Arm offset: the A/A arm shows no offset beyond its own request noise; the "
-                           "intervals are the request-resampling ones."))
+    B += arm_offset_blocks(a)
     t, s, q = a.effects["tpot"], a.effects["step"], a.effects["tps"]
     B += [("h", 2, "Decomposition"),
           ("p", f"log TPOT ratio = log step-latency ratio − log tokens-per-step ratio: "

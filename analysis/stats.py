@@ -38,6 +38,16 @@ sqrt(half-width_side^2 + (z tau)^2). ``Effect.ci_requests`` keeps the request-on
 ``Effect.arm_sd`` the tau used (0 when the A/A arm shows no offset beyond its own noise). The A/A
 effect itself is not widened (it is the estimator).
 
+The arm-offset floor. One run's tau is one draw of an offset against its own noise, mostly 0, and a
+plug-in that is mostly 0 widens too little on average. The run records a floor
+(``manifest["analysis"]["arm_sd_floor"]``, from ``replay.paired``'s ``arm_sd_floor``) and the
+candidate's intervals are widened by ``max(tau, floor)`` (by the floor alone when the run has no A/A
+arm). On the H200 (q1-mini, device loop, placement epochs; ``experiments/notes/placement.md``, session
+57): over 30 real replays the A/A arm's own intervals held 0 in 28 of 30 (z rms 1.01), but those of a
+candidate identical to control in 18 of 24 before widening and 20 of 24 after (z rms 1.33 / 1.20); the
+candidate contrasts' pooled offset ``sqrt(mean(m^2 - se^2))`` is 0.14 %, so a GPU run's floor is
+0.0015. A run recorded without a floor is analysed with 0, as it was.
+
 Placement epochs. On a GPU the offsets come from where an arm's buffers sit in memory
 (``experiments/notes/placement.md``), and ``replay.paired`` draws a new placement for every arm at each
 epoch (``placement.epochs``), recording each decode's epoch. The requests of an epoch share its arms'
@@ -529,12 +539,29 @@ def host_contention(requests: pd.DataFrame, manifest: dict, threshold: float = H
             "contended_by_arm": {str(k): int(v) for k, v in low.groupby(r["arm"]).sum().items()}}
 
 
+def recorded_arm_sd_floor(manifest: dict) -> float:
+    """The arm-offset floor a run recorded (``manifest["analysis"]["arm_sd_floor"]``); 0 for a run
+    recorded before the floor existed, so its analysis is what it was."""
+    v = (manifest.get("analysis") or {}).get("arm_sd_floor", 0.0)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"manifest analysis.arm_sd_floor={v!r}: a number >= 0") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"manifest analysis.arm_sd_floor={v!r}: a number >= 0")
+    return v
+
+
 def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,
-            method: str = "BCa", alpha: float = ALPHA, widen: bool = True, cluster: bool = True) -> Analysis:
+            method: str = "BCa", alpha: float = ALPHA, widen: bool = True, cluster: bool = True,
+            arm_sd_floor: float | None = None) -> Analysis:
     """All statistics of one run. Raises ValueError when no request has both control and candidate.
     ``widen=False`` keeps the request-only intervals (no arm-offset widening; for calibration);
     ``cluster=False`` treats requests as independent even where placement epochs were recorded (the
-    calibration's negative control)."""
+    calibration's negative control). ``arm_sd_floor``: the least arm offset (log scale) the candidate's
+    intervals are widened by, whatever the A/A arm shows (see the module docstring); None: the one the
+    run recorded (``recorded_arm_sd_floor``)."""
+    floor = recorded_arm_sd_floor(run.manifest) if arm_sd_floor is None else float(arm_sd_floor)
     decodes = decode_metrics(run.steps)
     req = request_metrics(decodes, run.requests)
     arms = [a for a in ("control", "candidate", "aa") if (req["arm"] == a).any()]
@@ -587,12 +614,16 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
                              ca["candidate_log_tpot"], clusters=of(both), **kw)
         if widen:
             for m in aa:
-                effects[m] = widen_for_arm_offset(effects[m], arm_offset_sd(aa[m]))
-            adjusted = widen_for_arm_offset(adjusted, arm_offset_sd(aa["tpot"]))
+                effects[m] = widen_for_arm_offset(effects[m], max(arm_offset_sd(aa[m]), floor))
+            adjusted = widen_for_arm_offset(adjusted, max(arm_offset_sd(aa["tpot"]), floor))
         if len(aat) > 2:
             u = units(aat, ["tpot", "order"])
             drift["aa"] = robust_slope(u["tpot"], u["order"], level=level,
                                        y_name="log TPOT ratio aa/control", x_name="run order")
+
+    elif widen and floor > 0:   # no A/A arm to measure an offset: the floor alone
+        for m in ("tpot", "step", "tps"):     # the metrics an A/A arm's offset would widen
+            effects[m] = widen_for_arm_offset(effects[m], floor)
 
     be = bit_exactness(run.requests).reindex(per.index)
     per["bit_exact"] = be["candidate"]
@@ -625,7 +656,7 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
         effects=effects, aa=aa, adjusted=adjusted, identity_residual=residual, bit_exact=bit,
         drift=drift, context_slope=ctx_slope, context_bins=bins, per_request=per,
         decodes=decodes, settings={"level": level, "n_boot": n_boot, "seed": seed,
-                                   "method": method, "alpha": alpha, "widen": widen,
+                                   "method": method, "alpha": alpha, "widen": widen, "arm_sd_floor": floor,
                                    "clusters": None if clus is None else int(clus.nunique())},
         n_unpaired=int(req["request_id"].nunique() - len(cand)),
         host=host_contention(run.requests, run.manifest),

@@ -76,6 +76,29 @@ def spread(a: list[float], b: list[float]) -> dict:
             "slow_pct": 100 * sum(m > 1.015 * med for m in means) / len(means)}
 
 
+def time_placement(n, cap, w, nh, nkv, d, flush, calls_n, reps) -> tuple[dict, int, int]:
+    """One placement: a KV cache allocated as the runtime's, its timings (a and b of each kind) and its
+    K and V addresses. The cache is freed on return."""
+    cache = KVCache("full", nkv, cap, d, torch.bfloat16, DEV)
+    cache.k.normal_()
+    cache.v.normal_()
+    q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
+    sinks = torch.randn(nh, device=DEV) + math.log(n)
+    sp = torch.tensor(n - w, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    attn = lambda: decode_attention_full(q, cache.k, cache.v, sp, sinks, out)   # noqa: E731
+    read = read_floor_calls([(q, cache.k, cache.v, sinks, sp, out)], n)[0]
+    fill = lambda: flush.fill_(1)                                               # noqa: E731
+    t = {}
+    for tag in ("a", "b"):
+        t[f"attn_{tag}"] = graph_us([attn] * calls_n, reps)
+        t[f"read_{tag}"] = graph_us([read] * calls_n, reps)
+        pair = graph_us([fill, attn] * max(1, calls_n // 4), reps) * 2
+        alone = graph_us([fill] * max(1, calls_n // 4), reps)
+        t[f"cold_{tag}"] = pair - alone
+    return t, cache.k.data_ptr(), cache.v.data_ptr()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="4096,32768,65536,131072,190000", help="valid keys per call")
@@ -100,37 +123,19 @@ def main() -> None:
     rows, table = [], []
     for n in contexts:
         cap = 1 << math.ceil(math.log2(n))            # the kept loop's capacity: doubled at powers of two
-        start = n - w
         kv_mib = 2 * n * d * 2 / MIB
         per = {k: [] for k in ("attn_a", "attn_b", "read_a", "read_b", "cold_a", "cold_b")}
         for p in range(placements):
             if CUDA:
                 torch.cuda.empty_cache()
             pad = torch.empty(rng.randrange(0, a.pad_mib // 2 + 1) * 2 * MIB, dtype=torch.uint8, device=DEV)
-            cache = KVCache("full", nkv, cap, d, torch.bfloat16, DEV)
-            cache.k.normal_()
-            cache.v.normal_()
-            q = torch.randn(w, nh, d, device=DEV).to(torch.bfloat16)
-            sinks = torch.randn(nh, device=DEV) + math.log(n)
-            sp = torch.tensor(start, dtype=torch.int32, device=DEV)
-            out = torch.empty_like(q)
-            attn = lambda: decode_attention_full(q, cache.k, cache.v, sp, sinks, out)   # noqa: E731
-            read = read_floor_calls([(q, cache.k, cache.v, sinks, sp, out)], n)[0]
-            fill = lambda: flush.fill_(1)                                               # noqa: E731
-            t = {}
-            for tag in ("a", "b"):
-                t[f"attn_{tag}"] = graph_us([attn] * calls_n, reps)
-                t[f"read_{tag}"] = graph_us([read] * calls_n, reps)
-                pair = graph_us([fill, attn] * max(1, calls_n // 4), reps) * 2
-                alone = graph_us([fill] * max(1, calls_n // 4), reps)
-                t[f"cold_{tag}"] = pair - alone
+            t, kp, vp = time_placement(n, cap, w, nh, nkv, d, flush, calls_n, reps)
             for k, v in t.items():
                 per[k].append(v)
-            kp, vp = cache.k.data_ptr(), cache.v.data_ptr()
             rows.append({"context": n, "capacity": cap, "placement": p, "pad_mib": pad.numel() // MIB,
                          "k_addr": kp, "v_addr": vp, "k_mod_2mib": kp % (2 * MIB), "v_mod_2mib": vp % (2 * MIB),
                          "v_minus_k": vp - kp, **{k: round(v, 4) for k, v in t.items()}})
-            del pad, cache, q, sinks, sp, out, attn, read
+            del pad
         for kind in ("attn", "read", "cold"):
             s = spread(per[f"{kind}_a"], per[f"{kind}_b"])
             table.append({"context": n, "kv_mib": kv_mib, "kind": kind, **s})

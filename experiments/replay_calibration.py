@@ -11,6 +11,9 @@ coverage, and the acceptance rule — measured, not simulated.
 datasets K, K+1, ... (their seeds follow the number), so that batches run on different machines or calls
 merge: copy their ``runs/`` directories into one ``out`` and run ``analyse_only=true out=...``, which reads
 every complete run directory there and replays nothing (a complete run directory is never replayed).
+``arm_sd_floor=F`` analyses every run with the arm-offset floor F (``analysis.stats``) instead of the one
+it recorded (``recorded``, the default): e.g. runs recorded before the floor existed, with the floor a GPU
+run records now. The summary's ``pooled_arm_sd`` is the floor the runs themselves support.
 ``budget_s=S`` starts no replay after S seconds (a device command's limit): what finished is summarised,
 and the CSV is rewritten after every run, so an interrupted calibration keeps its rows.
 
@@ -70,7 +73,7 @@ DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests
             "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
             "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128, "jobs": 1, "extra": "",
             "slow_control": "gapped", "revision": "HEAD", "select": "shortest", "start": 0, "budget_s": 0,
-            "analyse_only": False}
+            "analyse_only": False, "arm_sd_floor": "recorded"}
 
 
 def parse(argv):
@@ -115,7 +118,8 @@ def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
 
 def analyse(s: dict, scenario: str, i: int, run_dir: Path) -> dict:
     run = rawio.read_run(run_dir)
-    a = stats.analyze(run, n_boot=s["n_boot"], seed=i, alpha=s["alpha"])
+    floor = None if s["arm_sd_floor"] in (None, "recorded") else float(s["arm_sd_floor"])
+    a = stats.analyze(run, n_boot=s["n_boot"], seed=i, alpha=s["alpha"], arm_sd_floor=floor)
     v = verdict.decide(a, run.manifest, alpha=s["alpha"])
     e, aa = a.effects["tpot"], a.aa["tpot"]
     truth = {"aa": 0.0, "slow": math.log1p(s["slowdown"])}.get(scenario, float("nan"))
@@ -165,6 +169,34 @@ def null_intervals(df: pd.DataFrame) -> dict:
     zs = (est / se.where(se > 0)).dropna()
     return {"n": int(len(est)), "holding": float(ok.mean()) if len(est) else float("nan"), "holds": ok,
             "z_rms": float(np.sqrt((zs ** 2).mean())) if len(zs) else float("nan")}
+
+
+def pooled_offsets(df: pd.DataFrame, n_boot: int = 4000, seed: int = 0) -> dict:
+    """Per kind of interval whose truth is 0 (``aa_arm``: each run's A/A arm against control; ``candidate``:
+    the aa runs' candidate, identical to control, before its widening): how many hold 0, their z rms, and
+    the arm offset they carry beyond their request noise, pooled over the runs: sqrt(mean(m^2 - se^2))
+    (the method of moments of ``analysis.stats.arm_offset_sd``, over runs instead of one run; 0 when
+    negative), with a bootstrap 95 % interval over runs. The candidate's is the floor (``arm_sd_floor``)
+    that would make its intervals as wide as its scatter."""
+    z = scipy.stats.norm.ppf(0.5 + stats.LEVEL / 2)
+    aa = df[df.scenario == "aa"]
+    kinds = {"aa_arm": (df["aa_mean_log"], df["aa_lo"], df["aa_hi"]),
+             "candidate": (aa["mean_log"], aa["req_lo"], aa["req_hi"])}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for kind, (m, lo, hi) in kinds.items():
+        m, lo, hi = (np.asarray(v, dtype=np.float64) for v in (m, lo, hi))
+        if not len(m):
+            continue
+        se = (hi - lo) / (2 * z)
+        excess = m ** 2 - se ** 2
+        boot = excess[rng.integers(0, len(m), (n_boot, len(m)))].mean(axis=1)
+        sd = lambda v: math.sqrt(max(0.0, float(v)))    # noqa: E731
+        out[kind] = {"n": len(m), "holding_0": int(((lo <= 0) & (hi >= 0)).sum()),
+                     "z_rms": float(np.sqrt(np.mean((m / np.where(se > 0, se, np.nan)) ** 2))),
+                     "pooled_arm_sd": sd(excess.mean()),
+                     "pooled_arm_sd_ci": [sd(np.quantile(boot, 0.025)), sd(np.quantile(boot, 0.975))]}
+    return out
 
 
 def plot_intervals(df: pd.DataFrame, path: Path) -> int:
@@ -288,7 +320,7 @@ def main(argv) -> int:
               "policy_acceptance_flagged": acc_flag, "policy_ok": acc_flag == 1.0 if len(pol) else None,
               # reported, not checked: every interval whose truth is 0 (each run's A/A arm, the aa runs' candidate)
               "null_intervals": null["n"], "null_intervals_holding_0": null["holding"],
-              "null_z_rms": null["z_rms"]}
+              "null_z_rms": null["z_rms"], "offsets": pooled_offsets(df)}
     # the counts behind the rates, with exact 95 % intervals: at a few dozen runs a rate beside its goal says
     # little (1 false positive in 13 reads 0.077 against the 0.075 bound; its interval holds 0.05)
     checks["counts"] = {
@@ -305,8 +337,12 @@ def main(argv) -> int:
     plot_intervals(df, out / "replay_calibration.png")
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print("\n" + summ.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in checks.items() if k != "counts"))
+    print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in checks.items() if k not in ("counts", "offsets")))
     print("\n".join(f"{k:>28}: {v}" for k, v in checks["counts"].items()))
+    for kind, o in checks["offsets"].items():
+        print(f"{kind + ' intervals':>28}: {o['holding_0']} of {o['n']} hold 0 (before widening), z rms "
+              f"{o['z_rms']:.2f}; pooled arm offset {100 * o['pooled_arm_sd']:.3f} % (95 %: "
+              f"{100 * o['pooled_arm_sd_ci'][0]:.3f}-{100 * o['pooled_arm_sd_ci'][1]:.3f})")
     # (a scenario with no finished run has its checks None: not run, neither passed nor failed)
     return 0 if all(v for k, v in checks.items() if k.endswith("_ok") and v is not None) else 1
 

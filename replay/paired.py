@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import random
 import re
 import shlex
@@ -68,6 +69,8 @@ Defaults in conf/paired.yaml; common settings:
                                      (auto: 64 on a GPU, 0 on the CPU); requests resampled by epoch
   build_order=aa,candidate,control   build the arms' engines in this order (an arm offset that
                                      follows allocation order, not code, moves with it)
+  arm_sd_floor=0.002                 widen every candidate interval by at least this arm offset (sd,
+                                     natural log; auto: 0.0015 on a GPU, 0 on the CPU)
   tracking.uri=http://host:port      MLflow server (default sqlite:///$IQUESTRT_HOME/mlflow.db)
   RUN_DIR=DIR resume=true            continue an interrupted run
 Exit status: 0 done; 2 refused (bad revision, dirty tree, missing or mismatching snapshots, arm
@@ -596,6 +599,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
 
     # the run directory
     epochs = Placement(cfg, arms, int(cfg["reps"]) * len(reqs), weights)
+    floor = arm_sd_floor(cfg, epochs.cuda)
     writer = rawout.RunWriter(run_dir, flush_every=int(cfg.get("flush_every") or 16))
     if manifest0 is None:
         from snapshots import tokenizer as tk
@@ -613,6 +617,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
             "status": "running", "expect_bit_exact": bool(cfg.get("expect_bit_exact")),
             "fingerprints": fp_section, "mlflow": None,
             "placement": epochs.record(),
+            "analysis": {"arm_sd_floor": floor},
             "requests": [{"request_id": r.request_id, "context_len": r.n_tokens} for r in reqs],
             "started_utc": _utc(), "finished_utc": None, "resumed_utc": [],
         }
@@ -654,6 +659,25 @@ def build_order(cfg, arms: dict) -> list:
     if sorted(order) != sorted(arms):
         raise ReplayError(f"build_order={order} must name each of the arms {list(arms)} once")
     return [arms[label] for label in order]
+
+
+GPU_ARM_SD_FLOOR = 0.0015   # arm_sd_floor=auto on a GPU: the candidate contrasts' pooled arm offset over 24 A/A
+                            # replays on the H200 (session 57, experiments/notes/placement.md); analysis.stats
+
+
+def arm_sd_floor(cfg: dict, cuda: bool) -> float:
+    """The run's arm-offset floor (``arm_sd_floor``: a number >= 0, or auto: GPU_ARM_SD_FLOOR on a GPU, 0
+    on the CPU), recorded in the manifest for the analysis."""
+    v = cfg.get("arm_sd_floor", "auto")
+    if v in (None, "auto"):
+        return GPU_ARM_SD_FLOOR if cuda else 0.0
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ReplayError(f"arm_sd_floor={v!r}: a number >= 0 (an sd on the natural-log scale), or auto") from None
+    if not (math.isfinite(f) and f >= 0):
+        raise ReplayError(f"arm_sd_floor={v!r}: a number >= 0 (an sd on the natural-log scale), or auto")
+    return f
 
 
 AUTO_EPOCHS = 64    # placement.epochs=auto on a GPU (at most one per request): q1-mini rebuilds in ~0.1 s an arm

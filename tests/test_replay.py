@@ -203,6 +203,7 @@ def test_candidate_change_is_detected_and_aa_matches_control(env):
     assert {a["execution"] for a in arms.values()} == {"eager"}
     # placement epochs: one request each, every arm's engine built again before each (2 x 3 builds)
     assert m["placement"] == {"epochs": 2, "requests_per_epoch": 1, "pad_mib": 512}
+    assert m["analysis"] == {"arm_sd_floor": 0.0}     # auto on the CPU
     assert "placement: the arms' engines built 6 times" in p.out, p.out
     assert sorted(req.groupby("request_id")["epoch"].agg(lambda e: tuple(sorted(set(e)))).tolist()) == [(0,), (1,)]
 
@@ -305,6 +306,7 @@ def test_mlflow_server_records_the_replay(env):
     assert params["arm.candidate.overrides"] == json.dumps({"runtime": {"draft": {"policy": "fixed"}}}, sort_keys=True)
     assert params["config.max_new_tokens"] == "8" and params["command"].startswith("python -m replay.paired")
     assert params["placement.epochs"] == "0"        # on the CPU, auto: the engines kept for the run
+    assert params["analysis.arm_sd_floor"] == "0.0"  # on the CPU, auto: no arm-offset floor
     assert "environment.torch" in params
     assert metrics["arm.control.tpot_ms"] > 0 and "effect.tpot.pct" in metrics
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -334,6 +336,18 @@ def test_build_order_permutes_the_arms_and_refuses_anything_else():
     for bad in ("aa,control", "aa,aa,control", "aa,candidate,control,extra"):   # a missing, doubled, unknown arm
         with pytest.raises(paired.ReplayError, match="each of the arms"):
             paired.build_order({"build_order": bad}, arms)
+
+
+def test_arm_sd_floor_auto_follows_the_device_and_refuses_nonsense():
+    from replay import paired
+
+    assert paired.arm_sd_floor({}, cuda=False) == 0.0
+    assert paired.arm_sd_floor({"arm_sd_floor": "auto"}, cuda=True) == paired.GPU_ARM_SD_FLOOR > 0
+    assert paired.arm_sd_floor({"arm_sd_floor": 0.002}, cuda=False) == 0.002
+    assert paired.arm_sd_floor({"arm_sd_floor": "0"}, cuda=True) == 0.0          # a GPU run may opt out
+    for bad in (-0.001, "wide", float("inf")):
+        with pytest.raises(paired.ReplayError, match="arm_sd_floor"):
+            paired.arm_sd_floor({"arm_sd_floor": bad}, cuda=True)
 
 
 def test_step_times_of_a_revision_without_start_stamps_are_derived_from_durations():

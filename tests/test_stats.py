@@ -210,9 +210,11 @@ def test_reps_are_averaged_per_request():
 
 
 def _arm_offset_coverage(arm_offset_sd: float, n: int = 300, truth: float = 0.05):
-    """Coverage of the request-only and the widened TPOT interval over n simulated runs in which
-    every arm carries its own random offset (the same for all its requests)."""
-    naive = widened = 0
+    """Coverage of the request-only, the widened and the floored TPOT interval over n simulated runs in
+    which every arm carries its own random offset (the same for all its requests). The floor is the
+    contrast's true offset sd, sqrt(2) x each arm's (what a calibration's pooled estimate measures)."""
+    naive = widened = floored = 0
+    floor = math.sqrt(2) * arm_offset_sd
     for i in range(n):
         run = simulated_run(seed=3000 + i, n_requests=30, output_min=48, output_max=128,
                             latency_effect=truth, arm_offset_sd=arm_offset_sd)
@@ -221,9 +223,11 @@ def _arm_offset_coverage(arm_offset_sd: float, n: int = 300, truth: float = 0.05
                             n_boot=500, seed=i)
         a = stats.summarize(stats.paired_table(req, "aa")["tpot"], "tpot", "aa", "control", n_boot=500, seed=i)
         w = stats.widen_for_arm_offset(c, stats.arm_offset_sd(a))
+        f = stats.widen_for_arm_offset(c, max(stats.arm_offset_sd(a), floor))
         naive += c.ci[0] <= truth <= c.ci[1]
         widened += w.ci[0] <= truth <= w.ci[1]
-    return naive / n, widened / n
+        floored += f.ci[0] <= truth <= f.ci[1]
+    return naive / n, widened / n, floored / n
 
 
 def test_arm_offsets_widened_interval_recovers_coverage():
@@ -232,11 +236,44 @@ def test_arm_offsets_widened_interval_recovers_coverage():
     nominal. Without offsets the widening costs little."""
     # (150 and 75 simulated runs: 0.78 / 0.89 and 0.93 / 0.96; 300 and 150, 45 s more of CI, read
     # 0.77 / 0.87 and 0.94 / 0.96)
-    naive, widened = _arm_offset_coverage(0.004, n=150)
+    naive, widened, floored = _arm_offset_coverage(0.004, n=150)
     assert naive < 0.85, f"request-only interval covered {naive}: the offsets are too small to test"
     assert widened >= 0.87 and widened - naive >= 0.05, (naive, widened)
-    naive0, widened0 = _arm_offset_coverage(0.0, n=75)
-    assert 0.9 <= naive0 <= widened0 <= 0.99, (naive0, widened0)
+    # one run's A/A estimate of the offset is mostly 0 or too small: a calibrated floor covers more
+    assert floored >= 0.92 and floored - widened >= 0.02, (naive, widened, floored)
+    naive0, widened0, floored0 = _arm_offset_coverage(0.0, n=75)
+    assert 0.9 <= naive0 <= widened0 == floored0 <= 0.99, (naive0, widened0, floored0)
+
+
+def test_analyze_widens_by_the_recorded_arm_sd_floor():
+    """A run records its floor (replay.paired's arm_sd_floor): analyze widens the candidate's intervals
+    by max(the A/A arm's offset, floor); a run recorded without one is analysed as before (control)."""
+    run = simulated_run(seed=11, n_requests=24, latency_effect=0.02)
+    plain = stats.analyze(run, n_boot=300)
+    assert stats.recorded_arm_sd_floor(run.manifest) == 0.0 and plain.settings["arm_sd_floor"] == 0.0
+    assert stats.analyze(run, n_boot=300, arm_sd_floor=0.0).effects["tpot"].ci == plain.effects["tpot"].ci
+    floor = 0.01
+    assert stats.arm_offset_sd(plain.aa["tpot"]) < floor      # the floor is what widens here
+    recorded = rawio.RunData(run.run_dir, {**run.manifest, "analysis": {"arm_sd_floor": floor}}, run.steps,
+                             run.requests, [])
+    a = stats.analyze(recorded, n_boot=300)
+    assert a.settings["arm_sd_floor"] == floor
+    for m in ("tpot", "step", "tps"):
+        e, p = a.effects[m], plain.effects[m]
+        assert e.arm_sd == floor and e.ci_requests == (p.ci_requests or p.ci), m
+        h = 1.959963984540054 * floor
+        assert e.ci[0] == pytest.approx(e.mean - math.hypot(e.mean - e.ci_requests[0], h))
+    assert a.effects["steps"].ci == plain.effects["steps"].ci        # not a latency: not widened
+    assert a.aa["tpot"].ci == plain.aa["tpot"].ci                    # the A/A effect is the estimator
+    assert a.adjusted.arm_sd == floor
+    # a run without an A/A arm: the floor alone
+    no_aa = simulated_run(seed=11, n_requests=24, latency_effect=0.02, arms=("control", "candidate"))
+    b = stats.analyze(no_aa, n_boot=300, arm_sd_floor=floor)
+    assert not b.aa and b.effects["tpot"].arm_sd == floor
+    assert stats.analyze(no_aa, n_boot=300).effects["tpot"].ci_requests is None
+    for bad in (-0.001, "x", float("nan")):
+        with pytest.raises(ValueError, match="arm_sd_floor"):
+            stats.recorded_arm_sd_floor({"analysis": {"arm_sd_floor": bad}})
 
 
 def test_widening_arithmetic():
