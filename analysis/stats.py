@@ -43,10 +43,11 @@ plug-in that is mostly 0 widens too little on average. The run records a floor
 (``manifest["analysis"]["arm_sd_floor"]``, from ``replay.paired``'s ``arm_sd_floor``) and the
 candidate's intervals are widened by ``max(tau, floor)`` (by the floor alone when the run has no A/A
 arm). On the H200 (q1-mini, device loop, placement epochs; ``experiments/notes/placement.md``, session
-57): over 30 real replays the A/A arm's own intervals held 0 in 28 of 30 (z rms 1.01), but those of a
-candidate identical to control in 18 of 24 before widening and 20 of 24 after (z rms 1.33 / 1.20); the
-candidate contrasts' pooled offset ``sqrt(mean(m^2 - se^2))`` is 0.14 %, so a GPU run's floor is
-0.0015. A run recorded without a floor is analysed with 0, as it was.
+57): over 35 real replays the A/A arm's own intervals held 0 in 33 of 35 (z rms 0.96, no offset beyond
+its noise), but those of a candidate identical to control (27 replays) in 20 of 27 before widening (z rms
+1.47); the candidate contrasts' pooled offset ``sqrt(mean(m^2 - se^2))`` is 0.167 % (95 %: 0.067-0.231),
+so a GPU run's floor is 0.0017. With it every interval whose truth is 0 held it in 59 of 62 (0.952; z rms
+0.97; without it 55 of 62, 1.16). A run recorded without a floor is analysed with 0, as it was.
 
 Placement epochs. On a GPU the offsets come from where an arm's buffers sit in memory
 (``experiments/notes/placement.md``), and ``replay.paired`` draws a new placement for every arm at each

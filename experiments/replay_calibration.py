@@ -14,6 +14,11 @@ every complete run directory there and replays nothing (a complete run directory
 ``arm_sd_floor=F`` analyses every run with the arm-offset floor F (``analysis.stats``) instead of the one
 it recorded (``recorded``, the default): e.g. runs recorded before the floor existed, with the floor a GPU
 run records now. The summary's ``pooled_arm_sd`` is the floor the runs themselves support.
+``resample=N`` also checks the interval method itself on the runs' own noise: N synthetic runs, each one
+per-request A/A-type ratio (every run's A/A arm, the aa runs' candidate) drawn from each context rank's
+pool, centred (truth 0): the share of the harness's request intervals holding 0 (``resampled_coverage``). Near
+0.95 there, while the real intervals hold less, means the requests of a real run are not independent
+draws: a run-level term, not the tails.
 ``budget_s=S`` starts no replay after S seconds (a device command's limit): what finished is summarised,
 and the CSV is rewritten after every run, so an interrupted calibration keeps its rows.
 
@@ -73,7 +78,7 @@ DEFAULTS = {"n_aa": 20, "n_slow": 20, "n_policy": 3, "slowdown": 0.10, "requests
             "model": "q1-mini", "out": str(ROOT / "experiments" / "results" / "replay_calibration"),
             "n_boot": 1000, "alpha": 0.05, "seed": 0, "policy_tokens": 128, "jobs": 1, "extra": "",
             "slow_control": "gapped", "revision": "HEAD", "select": "shortest", "start": 0, "budget_s": 0,
-            "analyse_only": False, "arm_sd_floor": "recorded"}
+            "analyse_only": False, "arm_sd_floor": "recorded", "resample": 0}
 
 
 def parse(argv):
@@ -199,6 +204,37 @@ def pooled_offsets(df: pd.DataFrame, n_boot: int = 4000, seed: int = 0) -> dict:
     return out
 
 
+def request_pools(run_dirs: list[Path]) -> list[np.ndarray]:
+    """Per context rank (0 = each run's shortest request), the per-request A/A-type log TPOT ratios of the
+    runs: every run's A/A arm, and the candidate of the aa runs (identical to control)."""
+    pools: dict[int, list[float]] = {}
+    for d in run_dirs:
+        per = stats.analyze(rawio.read_run(d), n_boot=100, arm_sd_floor=0.0).per_request
+        rank = per["context_len"].rank(method="first").astype(int) - 1
+        cols = ["aa_tpot", "tpot"] if d.name.startswith("aa-") else ["aa_tpot"]
+        for col in cols:
+            for rid, v in per[col].dropna().items():
+                pools.setdefault(int(rank[rid]), []).append(float(v))
+    return [np.asarray(pools[k]) for k in sorted(pools)]
+
+
+def resampled_coverage(pools: list[np.ndarray], n: int, seed: int = 0, interval=None) -> dict:
+    """Coverage of ``interval`` (default: the harness's request interval, ``stats.bootstrap_ci``) over ``n``
+    synthetic runs of one value per pool, each pool centred (truth 0): the method against the runs' own
+    per-request noise, with every request independent."""
+    interval = interval or (lambda x, rng: stats.bootstrap_ci(x, n_boot=1000, rng=rng))
+    rng = np.random.default_rng(seed)
+    centred = [p - p.mean() for p in pools if len(p)]
+    held, zs = 0, []
+    for _ in range(n):
+        x = np.array([p[rng.integers(len(p))] for p in centred])
+        lo, hi = interval(x, rng)
+        held += lo <= 0 <= hi
+        zs.append(x.mean() / (x.std(ddof=1) / math.sqrt(len(x))))
+    return {"n": n, "requests": len(centred), "holding_0": float(held / n) if n else float("nan"),
+            "t_rms": float(np.sqrt(np.mean(np.square(zs)))) if zs else float("nan")}
+
+
 def plot_intervals(df: pd.DataFrame, path: Path) -> int:
     """One row per interval: each run's candidate interval against its truth (0 in the aa runs, the slowdown
     in the slow runs) and its A/A arm's against 0; an interval that misses its truth is drawn red. Writes
@@ -321,6 +357,9 @@ def main(argv) -> int:
               # reported, not checked: every interval whose truth is 0 (each run's A/A arm, the aa runs' candidate)
               "null_intervals": null["n"], "null_intervals_holding_0": null["holding"],
               "null_z_rms": null["z_rms"], "offsets": pooled_offsets(df)}
+    if int(s["resample"]):
+        checks["resampled_coverage"] = resampled_coverage(
+            request_pools([Path(d) for d in df["run_dir"]]), int(s["resample"]))
     # the counts behind the rates, with exact 95 % intervals: at a few dozen runs a rate beside its goal says
     # little (1 false positive in 13 reads 0.077 against the 0.075 bound; its interval holds 0.05)
     checks["counts"] = {

@@ -70,7 +70,7 @@ Defaults in conf/paired.yaml; common settings:
   build_order=aa,candidate,control   build the arms' engines in this order (an arm offset that
                                      follows allocation order, not code, moves with it)
   arm_sd_floor=0.002                 widen every candidate interval by at least this arm offset (sd,
-                                     natural log; auto: 0.0015 on a GPU, 0 on the CPU)
+                                     natural log; auto: 0.0017 on a GPU, 0 on the CPU)
   tracking.uri=http://host:port      MLflow server (default sqlite:///$IQUESTRT_HOME/mlflow.db)
   RUN_DIR=DIR resume=true            continue an interrupted run
 Exit status: 0 done; 2 refused (bad revision, dirty tree, missing or mismatching snapshots, arm
@@ -661,7 +661,7 @@ def build_order(cfg, arms: dict) -> list:
     return [arms[label] for label in order]
 
 
-GPU_ARM_SD_FLOOR = 0.0015   # arm_sd_floor=auto on a GPU: the candidate contrasts' pooled arm offset over 24 A/A
+GPU_ARM_SD_FLOOR = 0.0017   # arm_sd_floor=auto on a GPU: the candidate contrasts' pooled arm offset over 27 A/A
                             # replays on the H200 (session 57, experiments/notes/placement.md); analysis.stats
 
 
@@ -828,6 +828,9 @@ def summary_lines(run, an, v) -> list[str]:
                      if m in effects]
             k = effects["tpot"].n_clusters if "tpot" in effects else None
             units = f"{an.n_requests} requests" + (f" in {k} placement epochs" if k else "")
+            t = effects.get("tpot")
+            if label.startswith("candidate") and t is not None and t.ci_requests is not None:
+                units += f", widened by an arm offset of {100 * t.arm_sd:.2f}%"   # analysis.stats; the report says why
             lines.append(f"{label} ({units}, 95% CI): " + "; ".join(parts))
     be = an.bit_exact
     lines.append(f"identical tokens: candidate {be['candidate_exact']}/{be['n_requests']} requests, A/A "

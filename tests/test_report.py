@@ -77,6 +77,28 @@ def test_extreme_requests_takes_both_ends_or_everything():
     assert len(report.extreme_requests(per.iloc[:0])) == 0
 
 
+def test_arm_offset_paragraph_names_what_widened_the_intervals():
+    """The report says whether the candidate's intervals were widened by the A/A arm's offset or by the run's
+    recorded floor (analysis.stats); a run without either says its intervals are the request ones."""
+    from analysis import stats
+    steps, req, man = synthetic.simulate(synthetic.SyntheticSpec(seed=4, n_requests=24, latency_effect=0.02))
+    run = rawio.RunData(Path("<simulated>"), man, steps, req, [])
+    plain = stats.analyze(run, n_boot=200)
+    assert stats.arm_offset_sd(plain.aa["tpot"]) == 0.0     # this run's A/A arm shows no offset
+    (text,) = [b[1] for b in report.arm_offset_blocks(plain)]
+    assert "recorded no floor" in text and "request-resampling ones" in text
+    floored = stats.analyze(run, n_boot=200, arm_sd_floor=0.0017)
+    (text,) = [b[1] for b in report.arm_offset_blocks(floored)]
+    assert "sd 0.17%" in text and "the run's floor (0.17%" in text and "shows none beyond" in text, text
+    lo = stats.pct(floored.effects["tpot"].ci_requests[0])
+    assert f"[{lo:+.1f}%" in text
+    offset = rawio.RunData(Path("<simulated>"), man, *synthetic.simulate(synthetic.SyntheticSpec(
+        seed=4, n_requests=24, latency_effect=0.02, aa_offset=0.03))[:2], [])
+    a = stats.analyze(offset, n_boot=200, arm_sd_floor=0.0017)     # the A/A arm's offset exceeds the floor
+    (text,) = [b[1] for b in report.arm_offset_blocks(a)]
+    assert "floor" not in text and "this run's A/A arm shows" in text and a.effects["tpot"].arm_sd > 0.0017
+
+
 def test_report_cli_subprocess_and_help(run_dir, tmp_path, capsys):
     assert report.main(["--help"]) == 0 and "n_boot=" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown option 'bogus'"):
