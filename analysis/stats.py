@@ -540,17 +540,24 @@ def host_contention(requests: pd.DataFrame, manifest: dict, threshold: float = H
             "contended_by_arm": {str(k): int(v) for k, v in low.groupby(r["arm"]).sum().items()}}
 
 
+def check_arm_sd_floor(v) -> float:
+    """An arm-offset floor as a float; ValueError unless a finite number >= 0."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = float("nan")
+    if not (math.isfinite(f) and f >= 0):
+        raise ValueError(f"arm_sd_floor={v!r}: a number >= 0 (an sd on the natural-log scale)")
+    return f
+
+
 def recorded_arm_sd_floor(manifest: dict) -> float:
     """The arm-offset floor a run recorded (``manifest["analysis"]["arm_sd_floor"]``); 0 for a run
     recorded before the floor existed, so its analysis is what it was."""
-    v = (manifest.get("analysis") or {}).get("arm_sd_floor", 0.0)
     try:
-        v = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"manifest analysis.arm_sd_floor={v!r}: a number >= 0") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"manifest analysis.arm_sd_floor={v!r}: a number >= 0")
-    return v
+        return check_arm_sd_floor((manifest.get("analysis") or {}).get("arm_sd_floor", 0.0))
+    except ValueError as e:
+        raise ValueError(f"the run's manifest: analysis.{e}") from None
 
 
 def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0,

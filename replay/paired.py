@@ -27,7 +27,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import math
 import random
 import re
 import shlex
@@ -668,16 +667,15 @@ GPU_ARM_SD_FLOOR = 0.0017   # arm_sd_floor=auto on a GPU: the candidate contrast
 def arm_sd_floor(cfg: dict, cuda: bool) -> float:
     """The run's arm-offset floor (``arm_sd_floor``: a number >= 0, or auto: GPU_ARM_SD_FLOOR on a GPU, 0
     on the CPU), recorded in the manifest for the analysis."""
+    from analysis.stats import check_arm_sd_floor
+
     v = cfg.get("arm_sd_floor", "auto")
     if v in (None, "auto"):
         return GPU_ARM_SD_FLOOR if cuda else 0.0
     try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ReplayError(f"arm_sd_floor={v!r}: a number >= 0 (an sd on the natural-log scale), or auto") from None
-    if not (math.isfinite(f) and f >= 0):
-        raise ReplayError(f"arm_sd_floor={v!r}: a number >= 0 (an sd on the natural-log scale), or auto")
-    return f
+        return check_arm_sd_floor(v)
+    except ValueError as e:
+        raise ReplayError(f"{e}, or auto") from None
 
 
 AUTO_EPOCHS = 64    # placement.epochs=auto on a GPU (at most one per request): q1-mini rebuilds in ~0.1 s an arm
