@@ -5,14 +5,25 @@
 Columns: run id, revisions (control -> candidate), requests, TPOT effect with CI, tokens-per-step
 effect with CI, A/A offset with CI, verdict call and flags. A run that cannot be read or analysed
 gets a row saying why instead of stopping the comparison.
+
+Where two or more runs compare the same control and candidate revisions, a last row pools their TPOT
+effects (``pooled``): each run's mean weighted by the inverse square of its standard error, read from its
+interval, which holds the arm offset it was widened by (``analysis.stats``: the A/A arm's, or the run's
+floor). Each run is its own process, so its arms' offsets are drawn anew: pooling R runs shrinks the
+offset's share of the error by sqrt(R), which more requests in one run cannot (on the H200 the floor alone
+keeps one run's detectable effect near 0.5 %). Its verdict column gives Cochran's Q test of the runs
+agreeing within their errors: a small p says they do not, and the pooled interval is too narrow.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import scipy.stats
 
 from analysis import rawio, stats, verdict
 from analysis.report import parse_cli
@@ -44,14 +55,43 @@ def run_row(run_dir: str | Path, n_boot: int = 2000, seed: int = 0, alpha: float
         return row
     row["requests"] = a.n_requests
     row["TPOT"] = verdict.fmt_pct(a.effects["tpot"])
+    row["_tpot"] = a.effects["tpot"]
     row["tokens/step"] = verdict.fmt_pct(a.effects["tps"])
     row["A/A"] = verdict.fmt_pct(a.aa["tpot"]) if "tpot" in a.aa else "no A/A arm"
     row["verdict"] = v.call + (f" ({', '.join(v.flags)})" if v.flags else "")
     return row
 
 
+def pooled_row(rows: list[dict]) -> dict | None:
+    """The inverse-variance pool of the runs' TPOT effects (module docstring), or None unless at least two
+    analysed runs share one control and one candidate revision."""
+    ok = [r for r in rows if isinstance(r.get("_tpot"), stats.Effect)]
+    if len(ok) < 2 or len({(r["control"], r["candidate"]) for r in ok}) != 1:
+        return None
+    z = scipy.stats.norm.ppf(0.5 + stats.LEVEL / 2)
+    m = np.array([r["_tpot"].mean for r in ok])
+    se = np.array([(r["_tpot"].ci[1] - r["_tpot"].ci[0]) / (2 * z) for r in ok])
+    if not (np.all(np.isfinite(se)) and np.all(se > 0)):
+        return None
+    w = 1 / se ** 2
+    mean, se_p = float(np.sum(w * m) / np.sum(w)), float(1 / math.sqrt(np.sum(w)))
+    q = float(np.sum(w * (m - mean) ** 2))
+    p_q = float(scipy.stats.chi2.sf(q, len(ok) - 1))
+    ci = (mean - z * se_p, mean + z * se_p)
+    row = dict.fromkeys(COLUMNS, "")
+    significant = not ci[0] <= 0 <= ci[1]
+    row.update(run=f"pooled ({len(ok)} runs)", control=ok[0]["control"], candidate=ok[0]["candidate"],
+               requests=sum(int(r["requests"]) for r in ok),
+               TPOT=verdict.fmt_pct_values(stats.pct(mean), stats.pct(ci[0]), stats.pct(ci[1])),
+               verdict=(("faster" if mean < 0 else "slower") if significant else "inconclusive")
+               + f" (interval only; runs agree: Q p={p_q:.2g})", _mean=mean, _ci=ci, _q_p=p_q)
+    return row
+
+
 def compare(run_dirs: list[str], **kw) -> pd.DataFrame:
-    return pd.DataFrame([run_row(d, **kw) for d in run_dirs], columns=COLUMNS)
+    rows = [run_row(d, **kw) for d in run_dirs]
+    pooled = pooled_row(rows)
+    return pd.DataFrame(rows + ([pooled] if pooled else []), columns=COLUMNS)
 
 
 def to_markdown(df: pd.DataFrame) -> str:
@@ -64,7 +104,9 @@ def to_markdown(df: pd.DataFrame) -> str:
 HELP = """python -m analysis.compare RUN_DIR [RUN_DIR ...] [key=value ...]
 
 One row per run: revisions, requests, TPOT effect [95% CI], tokens-per-step effect, A/A offset,
-verdict (percent changes of candidate vs control; negative TPOT is faster).
+verdict (percent changes of candidate vs control; negative TPOT is faster). Runs of the same two
+revisions also get a pooled row: their TPOT effects weighted by their errors, with a test of their
+agreement (several runs, each its own process, average the arms' offsets, which one longer run cannot).
   out=FILE            also write the table (.md: Markdown, .csv: CSV)
   n_boot=2000         bootstrap resamples per effect
   seed=0              bootstrap seed

@@ -353,13 +353,15 @@ def arm_offset_sd(aa: Effect) -> float:
 
 
 def widen_for_arm_offset(e: Effect, tau: float) -> Effect:
-    """``e`` with its interval widened in quadrature by z * tau on each side (see module docstring)."""
+    """``e`` with its interval widened in quadrature by z * tau on each side (see module docstring), and
+    its detectable effect with it: the same multiple of sqrt(se^2 + tau^2) as it was of se."""
     if not (tau > 0 and all(math.isfinite(v) for v in e.ci)):
         return e
     h = scipy.stats.norm.ppf(0.5 + e.level / 2) * tau
     lo, hi = e.ci
     ci = (e.mean - math.hypot(e.mean - lo, h), e.mean + math.hypot(hi - e.mean, h))
-    return dataclasses.replace(e, ci=ci, ci_requests=(lo, hi), arm_sd=tau)
+    mde = math.hypot(e.mde, e.mde / e.se * tau) if e.se > 0 and math.isfinite(e.mde) else e.mde
+    return dataclasses.replace(e, ci=ci, ci_requests=(lo, hi), arm_sd=tau, mde=mde)
 
 
 def summarize(x, metric: str, arm: str, base: str, before_logs=None, after_logs=None,

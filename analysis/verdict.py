@@ -95,7 +95,11 @@ def pct_digits(*values: float) -> int:
 
 def fmt_pct(e: Effect, signed: bool = True) -> str:
     """'+1.2% [0.4, 2.0]' for an effect (percent change of the metric)."""
-    v, (lo, hi) = e.pct, e.pct_ci
+    return fmt_pct_values(e.pct, *e.pct_ci, signed=signed)
+
+
+def fmt_pct_values(v: float, lo: float, hi: float, signed: bool = True) -> str:
+    """``fmt_pct`` of a percent change and its interval given as numbers."""
     d = pct_digits(v, lo, hi)
     sign = "+" if signed and v > 0 else ""
     return f"{sign}{_num(v, d)}% [{_num(lo, d)}, {_num(hi, d)}]"

@@ -120,10 +120,60 @@ def test_compare_one_row_per_run(run_dir, tmp_path, capsys):
     assert compare.main([str(run_dir), str(other), str(missing), "n_boot=300",
                          f"out={tmp_path}/cmp.csv"]) == 0
     df = pd.read_csv(tmp_path / "cmp.csv")
-    assert len(df) == 3
+    assert len(df) == 4                                  # the two runs of one pair of revisions pooled
     assert df.loc[0, "verdict"] == "faster" and df.loc[1, "verdict"].startswith("unstable")
     assert df.loc[2, "verdict"].startswith("error:")
+    assert df.loc[3, "run"] == "pooled (2 runs)" and df.loc[3, "requests"] == df.loc[0, "requests"] + 30
     assert "| run | control | candidate |" in capsys.readouterr().out
+
+
+def _pool_rows(means, ses, control="main@1", candidate="b@2", z=1.959963984540054):
+    """compare's rows for runs whose TPOT effects are ``means`` with intervals of standard errors ``ses``."""
+    from analysis import stats
+    rows = []
+    for m, se in zip(means, ses):
+        e = stats.Effect(metric="tpot", arm="candidate", base="control", n=32, mean=m, ci=(m - z * se, m + z * se),
+                         p=0.5, hl=m, hl_ci=(m - z * se, m + z * se), sd=se * math.sqrt(32), mde=3 * se,
+                         before=1.0, after=1.0)
+        rows.append({"control": control, "candidate": candidate, "requests": 32, "_tpot": e})
+    return rows
+
+
+def test_pooled_row_weights_runs_by_their_errors_and_tests_their_agreement():
+    import numpy as np
+    got = compare.pooled_row(_pool_rows([0.010, 0.004], [0.001, 0.002]))
+    w = np.array([1 / 0.001 ** 2, 1 / 0.002 ** 2])
+    mean = float(np.sum(w * [0.010, 0.004]) / w.sum())
+    assert got["run"] == "pooled (2 runs)" and got["requests"] == 64
+    assert got["_mean"] == pytest.approx(mean) and got["TPOT"].startswith(f"+{100 * math.expm1(mean):.1f}%")
+    assert got["_ci"][1] - got["_ci"][0] == pytest.approx(2 * 1.959963984540054 / math.sqrt(w.sum()))
+    # the runs disagree far beyond their errors: Q says so (control: the same means, errors 10x wider)
+    assert got["_q_p"] < 0.01 and f"Q p={got['_q_p']:.2g}" in got["verdict"]
+    wide = compare.pooled_row(_pool_rows([0.010, 0.004], [0.01, 0.02]))
+    assert wide["_q_p"] > 0.5
+    assert got["verdict"].startswith("slower") and wide["verdict"].startswith("inconclusive")
+    # nothing to pool: one run, runs of other revisions, a run that failed to analyse
+    assert compare.pooled_row(_pool_rows([0.01], [0.001])) is None
+    assert compare.pooled_row(_pool_rows([0.01], [0.001]) + _pool_rows([0.01], [0.001], candidate="c@3")) is None
+    assert compare.pooled_row(_pool_rows([0.01], [0.001]) + [{"verdict": "error: x", "control": "main@1",
+                                                             "candidate": "b@2"}]) is None
+
+
+def test_pooling_runs_averages_their_arm_offsets_when_each_interval_holds_its_offset():
+    """Runs whose candidates carry a process-long offset (sd tau) beside request noise (se): pooling runs
+    whose intervals were widened by tau (the floor) covers the truth ~95 %; the negative control, the same
+    runs with request-only intervals, covers far less, and more runs make it worse."""
+    import numpy as np
+    rng = np.random.default_rng(3)
+    truth, se, tau, runs = 0.01, 0.0015, 0.003, 8
+    hits = {"floored": 0, "requests": 0}
+    n = 400
+    for _ in range(n):
+        m = truth + rng.normal(0, tau, runs) + rng.normal(0, se, runs)
+        for kind, s in (("floored", math.hypot(se, tau)), ("requests", se)):
+            row = compare.pooled_row(_pool_rows(list(m), [s] * runs))
+            hits[kind] += row["_ci"][0] <= truth <= row["_ci"][1]
+    assert hits["floored"] / n >= 0.92 and hits["requests"] / n <= 0.85, hits
 
 
 # ----------------------------------------------------------------------------- rawio

@@ -263,6 +263,10 @@ def test_analyze_widens_by_the_recorded_arm_sd_floor():
         assert e.arm_sd == floor and e.ci_requests == (p.ci_requests or p.ci), m
         h = 1.959963984540054 * floor
         assert e.ci[0] == pytest.approx(e.mean - math.hypot(e.mean - e.ci_requests[0], h))
+        # the detectable effect grows with it: the same multiple of sqrt(se^2 + floor^2) as of se
+        if p.se > 0:     # (tokens per step: every request the same, no spread to scale)
+            assert e.mde == pytest.approx(p.mde / p.se * math.hypot(p.se, floor)) and e.mde > p.mde, m
+    assert a.effects["tpot"].mde > plain.effects["tpot"].mde
     assert a.effects["steps"].ci == plain.effects["steps"].ci        # not a latency: not widened
     assert a.aa["tpot"].ci == plain.aa["tpot"].ci                    # the A/A effect is the estimator
     assert a.adjusted.arm_sd == floor
