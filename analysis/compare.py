@@ -84,7 +84,7 @@ def pooled_row(rows: list[dict]) -> dict | None:
                requests=sum(int(r["requests"]) for r in ok),
                TPOT=verdict.fmt_pct_values(stats.pct(mean), stats.pct(ci[0]), stats.pct(ci[1])),
                verdict=(("faster" if mean < 0 else "slower") if significant else "inconclusive")
-               + f" (interval only; runs agree: Q p={p_q:.2g})", _mean=mean, _ci=ci, _q_p=p_q)
+               + f" (interval only; the runs' agreement: Q p={p_q:.2g})", _mean=mean, _ci=ci, _q_p=p_q)
     return row
 
 

@@ -571,7 +571,7 @@ def analyze(run: RunData, level: float = LEVEL, n_boot: int = N_BOOT, seed: int 
     calibration's negative control). ``arm_sd_floor``: the least arm offset (log scale) the candidate's
     intervals are widened by, whatever the A/A arm shows (see the module docstring); None: the one the
     run recorded (``recorded_arm_sd_floor``)."""
-    floor = recorded_arm_sd_floor(run.manifest) if arm_sd_floor is None else float(arm_sd_floor)
+    floor = recorded_arm_sd_floor(run.manifest) if arm_sd_floor is None else check_arm_sd_floor(arm_sd_floor)
     decodes = decode_metrics(run.steps)
     req = request_metrics(decodes, run.requests)
     arms = [a for a in ("control", "candidate", "aa") if (req["arm"] == a).any()]
