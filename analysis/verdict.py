@@ -129,6 +129,15 @@ def _split_evidence(e: Effect, alpha: float) -> str:
     return ""
 
 
+def _offset_bound(e: Effect) -> str:
+    """When the arm offset the interval was widened by is at least its request noise, more requests cannot
+    narrow it much: say what can (several runs, each its own process, pooled by ``analysis.compare``)."""
+    if e.ci_requests is None or not (e.arm_sd > 0 and math.isfinite(e.se) and e.arm_sd >= e.se):
+        return ""
+    return (f" (an arm offset of sd {100 * e.arm_sd:.2f}% is most of that, and more requests do not shrink it: "
+            f"pool several runs with python -m analysis.compare)")
+
+
 def decide(a: Analysis, manifest: dict, alpha: float = ALPHA, aa_fraction: float = AA_FRACTION,
            min_requests: int = MIN_REQUESTS, host_fraction: float = HOST_FRACTION) -> Verdict:
     level_pct = f"{round(100 * a.settings.get('level', 0.95))}% CI"
@@ -154,7 +163,7 @@ def decide(a: Analysis, manifest: dict, alpha: float = ALPHA, aa_fraction: float
         mde = pct(tpot.mde)
         parts.append(f"no significant change per output token: candidate {fmt_pct(tpot)} {level_pct}, "
                      f"p={tpot.p:.2g}{_split_evidence(tpot, alpha)}; detectable at this noise: "
-                     f"\u00b1{_num(mde, pct_digits(mde))}%")
+                     f"\u00b1{_num(mde, pct_digits(mde))}%{_offset_bound(tpot)}")
         reasons.append(f"TPOT CI {'includes' if tpot.ci[0] <= 0 <= tpot.ci[1] else 'excludes'} 0, "
                        f"p={tpot.p:.2g}: inconclusive")
 

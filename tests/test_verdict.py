@@ -72,6 +72,26 @@ def test_inconclusive_headline_says_which_evidence_disagrees():
     assert agree.call == "inconclusive" and "a call needs both" not in agree.headline
 
 
+def test_inconclusive_headline_points_at_pooling_when_the_arm_offset_dominates():
+    """An interval widened by an arm offset at least as large as its request noise (a GPU run's floor): the
+    headline says more requests will not help and names the pooling; the control, an offset well under the
+    request noise, adds nothing, and neither does a call."""
+    import dataclasses
+
+    def with_offset(tpot, arm_sd, se):
+        a = hand_built(tpot=tpot)
+        e = a.effects["tpot"]
+        a.effects["tpot"] = dataclasses.replace(e, arm_sd=arm_sd, se=se, ci_requests=e.ci)
+        return verdict.decide(a, MANIFEST)
+    big = with_offset((0.001, -0.004, 0.006, 0.6), 0.0017, 0.0015)
+    assert big.call == "inconclusive" and "sd 0.17% is most of that" in big.headline
+    assert "python -m analysis.compare" in big.headline
+    small = with_offset((0.001, -0.004, 0.006, 0.6), 0.0005, 0.0015)
+    assert small.call == "inconclusive" and "analysis.compare" not in small.headline
+    called = with_offset((-0.021, -0.028, -0.014, 1e-9), 0.0017, 0.0015)
+    assert called.call == "faster" and "analysis.compare" not in called.headline
+
+
 def test_insufficient_requests():
     v = verdict.decide(hand_built(n=5, exact=5, aa_exact=5), MANIFEST)
     assert v.call == "insufficient"
