@@ -382,14 +382,14 @@ def build(arm: Arm, model: str, runtime_overrides: dict, weights: WeightCache,
     return arm
 
 
-def load_arms(repo: Path, revs: dict[str, str], overrides: dict[str, dict], cache: Path | None = None
-              ) -> dict[str, Arm]:
-    """Resolve, materialise and import every arm (``revs``: label -> REV). The A/A arm, when asked
-    for, takes the control's revision and overrides and is imported after the candidate, through the
-    same function."""
+def load_arms(repo: Path, revs: dict[str, str], overrides: dict[str, dict], cache: Path | None = None,
+              order: list[str] | None = None) -> dict[str, Arm]:
+    """Resolve, materialise and import every arm (``revs``: label -> REV), in ``order`` (default ARMS:
+    control, candidate, aa). The A/A arm, when asked for, takes the control's revision and overrides and
+    is imported through the same function. The returned dict keeps the import order."""
     arms = {}
     resolved: dict[str, Revision] = {}
-    for label in ARMS:
+    for label in order or ARMS:
         if label not in revs:
             continue
         rev = revs[label]

@@ -66,8 +66,10 @@ Defaults in conf/paired.yaml; common settings:
   aa=false                           no A/A arm
   placement.epochs=16                rebuild every arm at a new place in memory 16 times over the run
                                      (auto: 64 on a GPU, 0 on the CPU); requests resampled by epoch
-  build_order=aa,candidate,control   build the arms' engines in this order (an arm offset that
+  build_order=[aa,candidate,control]   build the arms' engines in this order (an arm offset that
                                      follows allocation order, not code, moves with it)
+  import_order=[candidate,control,aa]  import the arms' runtimes in this order (and run their
+                                     fingerprints and first builds in it): does an arm offset follow it?
   arm_sd_floor=0.002                 widen every candidate interval by at least this arm offset (sd,
                                      natural log; auto: 0.0017 on a GPU, 0 on the CPU)
   tracking.uri=http://host:port      MLflow server (default sqlite:///$IQUESTRT_HOME/mlflow.db)
@@ -447,11 +449,12 @@ def _has(d: dict, k: str) -> bool:
         return False
 
 
-def load_recorded_arms(manifest: dict, repo, cache) -> dict:
-    """The arms of a run being resumed, at the commits (or WORKTREE copies) it recorded."""
+def load_recorded_arms(manifest: dict, repo, cache, order: list[str] | None = None) -> dict:
+    """The arms of a run being resumed, at the commits (or WORKTREE copies) it recorded, imported in
+    ``order`` (default: the arms' own order)."""
     out = {}
     cache = Path(cache) if cache else home() / "arms"
-    for label in armsmod.ARMS:
+    for label in order or armsmod.ARMS:
         rec = manifest["arms"].get(label)
         if rec is None:
             continue
@@ -541,7 +544,8 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         repo = None
     cache = Path(cfg["arms_cache"]).expanduser() if cfg.get("arms_cache") else None
     if manifest0 is not None:
-        arms = load_recorded_arms(manifest0, repo, cache)
+        arms = load_recorded_arms(manifest0, repo, cache, order=arm_order(
+            manifest0.get("config") or {}, "import_order", [a for a in armsmod.ARMS if a in manifest0["arms"]]))
     else:
         revs = {"control": str(cfg["control"]["rev"]), "candidate": str(cfg["candidate"]["rev"])}
         if cfg.get("aa", True):
@@ -549,7 +553,8 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         overrides = {"control": {"runtime": cfg["control"].get("runtime") or {}},
                      "candidate": {"runtime": cfg["candidate"].get("runtime") or {}},
                      "aa": {"runtime": cfg["control"].get("runtime") or {}}}
-        arms = armsmod.load_arms(repo, revs, overrides, cache)
+        arms = armsmod.load_arms(repo, revs, overrides, cache,
+                                 order=arm_order(cfg, "import_order", [a for a in armsmod.ARMS if a in revs]))
     threads = cfg.get("torch_threads", "auto")
     if threads == "auto":
         threads = 1 if not torch.cuda.is_available() else None
@@ -647,17 +652,24 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
     return EXIT_OK
 
 
+def arm_order(cfg, key: str, labels: list[str]) -> list[str]:
+    """The labels in the order setting ``key`` gives (a list, or a comma-separated string with or without
+    brackets, naming each label once; unset: ``labels`` as they are)."""
+    order = cfg.get(key)
+    if not order:
+        return list(labels)
+    order = ([s.strip() for s in order.strip().strip("[]").split(",")] if isinstance(order, str)
+             else [str(s) for s in order])
+    if sorted(order) != sorted(labels):
+        raise ReplayError(f"{key}={order} must name each of the arms {list(labels)} once")
+    return order
+
+
 def build_order(cfg, arms: dict) -> list:
     """The arms in the order their engines are built (``build_order``; default the arms' own order).
     Building allocates an engine's weights, caches and graphs: a diagnostic for an arm offset that
     follows allocation order rather than code."""
-    order = cfg.get("build_order")
-    if not order:
-        return list(arms.values())
-    order = [s.strip() for s in order.split(",")] if isinstance(order, str) else [str(s) for s in order]
-    if sorted(order) != sorted(arms):
-        raise ReplayError(f"build_order={order} must name each of the arms {list(arms)} once")
-    return [arms[label] for label in order]
+    return [arms[label] for label in arm_order(cfg, "build_order", list(arms))]
 
 
 GPU_ARM_SD_FLOOR = 0.0017   # arm_sd_floor=auto on a GPU: the candidate contrasts' pooled arm offset over 27 A/A

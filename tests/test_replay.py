@@ -338,6 +338,29 @@ def test_build_order_permutes_the_arms_and_refuses_anything_else():
             paired.build_order({"build_order": bad}, arms)
 
 
+def test_import_order_imports_the_arms_in_that_order(monkeypatch):
+    """``import_order`` (a diagnostic like build_order: does an arm offset follow the position an arm is
+    imported at?) permutes the imports and the arms dict; unset, the arms' own order; nonsense refused."""
+    from replay import arms as armsmod
+    from replay import paired
+
+    labels = ["control", "candidate", "aa"]
+    assert paired.arm_order({}, "import_order", labels) == labels
+    for given in ("candidate,control,aa", "[candidate, control, aa]", ["candidate", "control", "aa"]):
+        assert paired.arm_order({"import_order": given}, "import_order", labels) == ["candidate", "control", "aa"]
+    with pytest.raises(paired.ReplayError, match="import_order"):
+        paired.arm_order({"import_order": "candidate,control"}, "import_order", labels)
+    imported = []
+    monkeypatch.setattr(armsmod, "resolve", lambda repo, rev, cache, dirty_ok=False: armsmod.Revision(
+        rev=rev, sha="0" * 40, key="0" * 40, root=Path("/nonexistent")))
+    monkeypatch.setattr(armsmod, "import_runtime", lambda label, r: (imported.append(label) or (f"m_{label}", None)))
+    revs = {"control": "main", "candidate": "b", "aa": "main"}
+    got = armsmod.load_arms(Path("."), revs, {}, order=["candidate", "control", "aa"])
+    assert imported == ["candidate", "control", "aa"] and list(got) == imported
+    imported.clear()
+    assert list(armsmod.load_arms(Path("."), revs, {})) == imported == labels       # the default
+
+
 def test_arm_sd_floor_auto_follows_the_device_and_refuses_nonsense():
     from replay import paired
 
