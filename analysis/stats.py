@@ -352,6 +352,13 @@ def arm_offset_sd(aa: Effect) -> float:
     return math.sqrt(max(0.0, aa.mean ** 2 - aa.se ** 2))
 
 
+def pooled_arm_offset(means, ses) -> float:
+    """tau over several runs: sqrt(mean(m^2 - se^2)) of their contrasts ``means`` with standard errors ``ses``
+    (``arm_offset_sd``'s method of moments, pooled over runs instead of one run; 0 when negative)."""
+    m, se = np.asarray(means, dtype=np.float64), np.asarray(ses, dtype=np.float64)
+    return math.sqrt(max(0.0, float(np.mean(m ** 2 - se ** 2)))) if len(m) else float("nan")
+
+
 def widen_for_arm_offset(e: Effect, tau: float) -> Effect:
     """``e`` with its interval widened in quadrature by z * tau on each side (see module docstring), and
     its detectable effect with it: the same multiple of sqrt(se^2 + tau^2) as it was of se."""

@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 LABELS = ("control", "candidate", "aa")
 
 
 def one_process(a) -> dict:
     """The child: three imported copies, epochs of rebuilt engines, rotated decodes; returns its decodes."""
-    sys.path.insert(0, str(ROOT))
     import itertools
 
     import torch
@@ -97,7 +97,9 @@ def one_process(a) -> dict:
 
 def summarize(procs: list[dict]) -> list[dict]:
     """Per arm other than control: each process's log ratio against control with its se, then across
-    processes the z rms and the pooled offset sqrt(mean(m^2 - se^2))."""
+    processes the z rms and the pooled offset (``analysis.stats.pooled_arm_offset``)."""
+    from analysis import stats
+
     out = []
     for label in LABELS[1:]:
         ms, ses = [], []
@@ -115,13 +117,12 @@ def summarize(procs: list[dict]) -> list[dict]:
         if not ms:
             continue
         z = [m / s for m, s in zip(ms, ses) if s > 0]
-        excess = sum(m * m - s * s for m, s in zip(ms, ses)) / len(ms)
         out.append({"arm": label, "processes": len(ms), "contrasts_pct": [round(100 * m, 3) for m in ms],
                     "se_pct": [round(100 * s, 3) for s in ses],
                     "sd_across_pct": 100 * (math.sqrt(sum((m - sum(ms) / len(ms)) ** 2 for m in ms) / (len(ms) - 1))
                                             if len(ms) > 1 else float("nan")),
                     "z_rms": math.sqrt(sum(v * v for v in z) / len(z)) if z else float("nan"),
-                    "pooled_offset_pct": 100 * math.sqrt(max(0.0, excess))})
+                    "pooled_offset_pct": 100 * stats.pooled_arm_offset(ms, ses)})
     return out
 
 

@@ -123,7 +123,7 @@ def replay(s: dict, scenario: str, i: int, run_dir: Path) -> float:
 
 def analyse(s: dict, scenario: str, i: int, run_dir: Path) -> dict:
     run = rawio.read_run(run_dir)
-    floor = None if s["arm_sd_floor"] in (None, "recorded") else float(s["arm_sd_floor"])
+    floor = None if s["arm_sd_floor"] in (None, "recorded") else s["arm_sd_floor"]   # checked by analyze
     a = stats.analyze(run, n_boot=s["n_boot"], seed=i, alpha=s["alpha"], arm_sd_floor=floor)
     v = verdict.decide(a, run.manifest, alpha=s["alpha"])
     e, aa = a.effects["tpot"], a.aa["tpot"]
@@ -194,13 +194,11 @@ def pooled_offsets(df: pd.DataFrame, n_boot: int = 4000, seed: int = 0) -> dict:
         if not len(m):
             continue
         se = (hi - lo) / (2 * z)
-        excess = m ** 2 - se ** 2
-        boot = excess[rng.integers(0, len(m), (n_boot, len(m)))].mean(axis=1)
-        sd = lambda v: math.sqrt(max(0.0, float(v)))    # noqa: E731
+        boot = sorted(stats.pooled_arm_offset(m[k], se[k]) for k in rng.integers(0, len(m), (n_boot, len(m))))
         out[kind] = {"n": len(m), "holding_0": int(((lo <= 0) & (hi >= 0)).sum()),
                      "z_rms": float(np.sqrt(np.mean((m / np.where(se > 0, se, np.nan)) ** 2))),
-                     "pooled_arm_sd": sd(excess.mean()),
-                     "pooled_arm_sd_ci": [sd(np.quantile(boot, 0.025)), sd(np.quantile(boot, 0.975))]}
+                     "pooled_arm_sd": stats.pooled_arm_offset(m, se),
+                     "pooled_arm_sd_ci": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]}
     return out
 
 
