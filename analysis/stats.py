@@ -359,6 +359,24 @@ def pooled_arm_offset(means, ses) -> float:
     return math.sqrt(max(0.0, float(np.mean(m ** 2 - se ** 2)))) if len(m) else float("nan")
 
 
+def arm_offset_components(contrasts) -> dict:
+    """Which arm carries a run-level offset, from runs whose three arms run the same code. ``contrasts``:
+    per run an (n, 2) array of per-request log ratios (candidate / control, A/A / control). Across runs the
+    two contrasts' means vary by their request noise (each run's own covariance of the per-request pairs
+    over n) plus the arms' offsets: var(cand - ctrl) = v_cand + v_ctrl, var(aa - ctrl) = v_aa + v_ctrl, and
+    their covariance v_ctrl. Method of moments: the variances of each arm's offset (negative when the
+    runs scatter less than their request noise), keyed control / candidate / aa."""
+    runs = [np.asarray(c, dtype=np.float64) for c in contrasts]
+    runs = [c[np.isfinite(c).all(axis=1)] for c in runs]
+    runs = [c for c in runs if len(c) >= 3]
+    if len(runs) < 3:
+        return {k: float("nan") for k in ("control", "candidate", "aa")}
+    means = np.array([c.mean(axis=0) for c in runs])
+    noise = np.mean([np.cov(c.T) / len(c) for c in runs], axis=0)
+    o = np.cov(means.T) - noise
+    return {"control": float(o[0, 1]), "candidate": float(o[0, 0] - o[0, 1]), "aa": float(o[1, 1] - o[0, 1])}
+
+
 def widen_for_arm_offset(e: Effect, tau: float) -> Effect:
     """``e`` with its interval widened in quadrature by z * tau on each side (see module docstring), and
     its detectable effect with it: the same multiple of sqrt(se^2 + tau^2) as it was of se."""

@@ -13,7 +13,9 @@ merge: copy their ``runs/`` directories into one ``out`` and run ``analyse_only=
 every complete run directory there and replays nothing (a complete run directory is never replayed).
 ``arm_sd_floor=F`` analyses every run with the arm-offset floor F (``analysis.stats``) instead of the one
 it recorded (``recorded``, the default): e.g. runs recorded before the floor existed, with the floor a GPU
-run records now. The summary's ``pooled_arm_sd`` is the floor the runs themselves support.
+run records now. The summary's ``pooled_arm_sd`` is the floor the runs themselves support, and
+``arm_components`` says which arm carries it (control, candidate or A/A, from how the aa runs' two contrasts
+scatter and move together), per order the runs imported and built their arms in (``import_order``).
 ``resample=N`` also checks the interval method itself on the runs' own noise: N synthetic runs, each one
 per-request A/A-type ratio (every run's A/A arm, the aa runs' candidate) drawn from each context rank's
 pool, centred (truth 0): the share of the harness's request intervals holding 0 (``resampled_coverage``). Near
@@ -216,6 +218,41 @@ def request_pools(run_dirs: list[Path]) -> list[np.ndarray]:
     return [np.asarray(pools[k]) for k in sorted(pools)]
 
 
+def arm_orders(manifest: dict) -> str:
+    """How a run imported and built its arms (``import_order`` / ``build_order``; defaults: control,
+    candidate, aa, and the build follows the import), as one label."""
+    from replay.paired import arm_order
+    cfg, labels = manifest.get("config") or {}, [a for a in ("control", "candidate", "aa") if a in manifest["arms"]]
+    imp = arm_order(cfg, "import_order", labels)
+    return f"import {','.join(imp)}; build {','.join(arm_order(cfg, 'build_order', imp))}"
+
+
+def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> dict:
+    """Which arm carries the run-level offset (``analysis.stats.arm_offset_components``), from the aa runs
+    (three arms of the same code), per way the runs imported and built their arms: each arm's offset sd
+    (a signed square root: negative when the runs scatter less than their request noise) with a bootstrap
+    95 % interval over runs. An offset that follows a position (say, the second import) moves to another
+    label when the order changes; one that follows the label stays."""
+    groups: dict[str, list[np.ndarray]] = {}
+    for d in run_dirs:
+        if not d.name.startswith("aa-"):
+            continue
+        run = rawio.read_run(d)
+        per = stats.analyze(run, n_boot=100, arm_sd_floor=0.0).per_request
+        groups.setdefault(arm_orders(run.manifest), []).append(per[["tpot", "aa_tpot"]].to_numpy())
+    signed = lambda v: float(math.copysign(math.sqrt(abs(v)), v)) if math.isfinite(v) else v   # noqa: E731
+    rng = np.random.default_rng(seed)
+    out = {}
+    for orders, runs in groups.items():
+        est = stats.arm_offset_components(runs)
+        boot = [stats.arm_offset_components([runs[k] for k in rng.integers(0, len(runs), len(runs))])
+                for _ in range(n_boot if len(runs) >= 3 else 0)]
+        out[orders] = {"runs": len(runs), **{arm: {
+            "sd": signed(v), "sd_ci": [signed(float(np.nanquantile([b[arm] for b in boot], q))) for q in (0.025, 0.975)]
+            if boot else [float("nan")] * 2} for arm, v in est.items()}}
+    return out
+
+
 def resampled_coverage(pools: list[np.ndarray], n: int, seed: int = 0, interval=None) -> dict:
     """Coverage of ``interval`` (default: the harness's request interval, ``stats.bootstrap_ci``) over ``n``
     synthetic runs of one value per pool, each pool centred (truth 0): the method against the runs' own
@@ -354,7 +391,8 @@ def main(argv) -> int:
               "policy_acceptance_flagged": acc_flag, "policy_ok": acc_flag == 1.0 if len(pol) else None,
               # reported, not checked: every interval whose truth is 0 (each run's A/A arm, the aa runs' candidate)
               "null_intervals": null["n"], "null_intervals_holding_0": null["holding"],
-              "null_z_rms": null["z_rms"], "offsets": pooled_offsets(df)}
+              "null_z_rms": null["z_rms"], "offsets": pooled_offsets(df),
+              "arm_components": arm_components([Path(d) for d in df["run_dir"]])}
     if int(s["resample"]):
         checks["resampled_coverage"] = resampled_coverage(
             request_pools([Path(d) for d in df["run_dir"]]), int(s["resample"]))
@@ -374,12 +412,17 @@ def main(argv) -> int:
     plot_intervals(df, out / "replay_calibration.png")
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print("\n" + summ.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in checks.items() if k not in ("counts", "offsets")))
+    print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in checks.items()
+                           if k not in ("counts", "offsets", "arm_components")))
     print("\n".join(f"{k:>28}: {v}" for k, v in checks["counts"].items()))
     for kind, o in checks["offsets"].items():
         print(f"{kind + ' intervals':>28}: {o['holding_0']} of {o['n']} hold 0 (before widening), z rms "
               f"{o['z_rms']:.2f}; pooled arm offset {100 * o['pooled_arm_sd']:.3f} % (95 %: "
               f"{100 * o['pooled_arm_sd_ci'][0]:.3f}-{100 * o['pooled_arm_sd_ci'][1]:.3f})")
+    for orders, c in checks["arm_components"].items():
+        print(f"{'arm offsets (aa runs)':>28}: {c['runs']} runs ({orders}): " + "; ".join(
+            f"{arm} {100 * c[arm]['sd']:+.3f} % ({100 * c[arm]['sd_ci'][0]:+.3f} to {100 * c[arm]['sd_ci'][1]:+.3f})"
+            for arm in ("control", "candidate", "aa")))
     # (a scenario with no finished run has its checks None: not run, neither passed nor failed)
     return 0 if all(v for k, v in checks.items() if k.endswith("_ok") and v is not None) else 1
 

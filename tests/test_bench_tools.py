@@ -270,6 +270,22 @@ def test_calibration_pooled_offsets_find_an_offset_one_kind_carries():
     assert got["candidate"]["z_rms"] > 1.3 and got["candidate"]["holding_0"] < 0.9 * n, got
 
 
+def test_calibration_groups_runs_by_how_they_imported_and_built_their_arms():
+    """The per-arm offsets are estimated per arm order: the build follows the import unless set, and an
+    order that names an arm twice is refused as the replay refuses it."""
+    import replay_calibration as rc
+    from replay.paired import ReplayError
+    arms = {"control": {}, "candidate": {}, "aa": {}}
+    assert rc.arm_orders({"config": {}, "arms": arms}) == \
+        "import control,candidate,aa; build control,candidate,aa"
+    assert rc.arm_orders({"config": {"import_order": "[candidate,control,aa]"}, "arms": arms}) == \
+        "import candidate,control,aa; build candidate,control,aa"
+    assert rc.arm_orders({"config": {"import_order": ["candidate", "control", "aa"], "build_order": "aa,control,candidate"},
+                          "arms": arms}) == "import candidate,control,aa; build aa,control,candidate"
+    with pytest.raises(ReplayError, match="once"):
+        rc.arm_orders({"config": {"build_order": "control,control,aa"}, "arms": arms})
+
+
 def test_calibration_resampled_coverage_checks_the_method_on_the_runs_own_noise():
     """Independent draws from heavy-tailed per-request pools (one per context rank): the harness's request
     interval holds the truth ~95 % of the time; the negative control, the same interval shrunk to half its

@@ -377,3 +377,31 @@ def test_context_slope_takes_one_point_per_epoch():
                 assert c.n == 8
     # (deterministic: seeded runs and bootstraps; measured 0 of 24 against 12 of 24)
     assert wrong["epochs"] <= 0.15 * n and wrong["requests"] >= 0.4 * n, wrong
+
+
+def _three_arm_runs(n_runs: int, offsets: dict, seed: int, n: int = 32, noise: float = 0.01) -> list:
+    """Per run, per-request (candidate / control, aa / control) log ratios: every arm's request noise plus a
+    run-level offset per arm drawn with sd ``offsets[arm]``."""
+    rng = np.random.default_rng(seed)
+    runs = []
+    for _ in range(n_runs):
+        o = {a: rng.normal(0, offsets.get(a, 0.0)) for a in ("control", "candidate", "aa")}
+        x = {a: o[a] + rng.normal(0, noise, n) for a in o}
+        runs.append(np.column_stack([x["candidate"] - x["control"], x["aa"] - x["control"]]))
+    return runs
+
+
+def test_arm_offset_components_name_the_arm_that_carries_the_offset():
+    """An offset on one arm shows in that arm's component and not the others', whichever arm it is (the
+    control's moves both contrasts together); without offsets every component is near 0 (the negative
+    control: request noise alone is not called an offset)."""
+    tau = 0.004      # 2.3 x the request se (0.01 * sqrt(2 / 32)): visible over 200 runs
+    for k, arm in enumerate(("control", "candidate", "aa")):
+        c = stats.arm_offset_components(_three_arm_runs(200, {arm: tau}, seed=k))
+        assert c[arm] == pytest.approx(tau ** 2, rel=0.35), (arm, c)
+        others = [v for a, v in c.items() if a != arm]
+        assert max(abs(v) for v in others) < 0.3 * tau ** 2, (arm, c)
+    none = stats.arm_offset_components(_three_arm_runs(200, {}, seed=7))
+    assert max(abs(v) for v in none.values()) < 0.3 * tau ** 2, none
+    # too few runs to say anything
+    assert all(math.isnan(v) for v in stats.arm_offset_components(_three_arm_runs(2, {}, seed=1)).values())
