@@ -12,7 +12,10 @@ interval, which holds the arm offset it was widened by (``analysis.stats``: the 
 floor). Each run is its own process, so its arms' offsets are drawn anew: pooling R runs shrinks the
 offset's share of the error by sqrt(R), which more requests in one run cannot (on the H200 the floor alone
 keeps one run's detectable effect near 0.5 %). Its verdict column gives Cochran's Q test of the runs
-agreeing within their errors: a small p says they do not, and the pooled interval is too narrow.
+agreeing within their errors: a small p says they do not, and the pooled interval is too narrow. Pooling
+averages only what varies between runs: on the H200 the arm imported and built first ran ~0.07 % slower
+(session 58), so runs that all used one fixed arm order (``import_order`` other than ``random``, the
+default since then) are marked in that column.
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ def run_row(run_dir: str | Path, n_boot: int = 2000, seed: int = 0, alpha: float
     row["requests"] = a.n_requests
     row["TPOT"] = verdict.fmt_pct(a.effects["tpot"])
     row["_tpot"] = a.effects["tpot"]
+    try:
+        row["_orders"] = (tuple(rawio.arm_orders(run.manifest)["import"]),
+                          str((run.manifest.get("config") or {}).get("import_order")).lower() == "random")
+    except rawio.RunDataError:
+        row["_orders"] = None
     row["tokens/step"] = verdict.fmt_pct(a.effects["tps"])
     row["A/A"] = verdict.fmt_pct(a.aa["tpot"]) if "tpot" in a.aa else "no A/A arm"
     row["verdict"] = v.call + (f" ({', '.join(v.flags)})" if v.flags else "")
@@ -80,11 +88,16 @@ def pooled_row(rows: list[dict]) -> dict | None:
     ci = (mean - z * se_p, mean + z * se_p)
     row = dict.fromkeys(COLUMNS, "")
     significant = not ci[0] <= 0 <= ci[1]
+    orders = {r.get("_orders") for r in ok}
+    fixed = ""
+    if len(orders) == 1 and None not in orders and not next(iter(orders))[1]:
+        fixed = (f"; every run imported its arms in one fixed order ({', '.join(next(iter(orders))[0])}): a bias of "
+                 "the order does not pool away (import_order=random)")
     row.update(run=f"pooled ({len(ok)} runs)", control=ok[0]["control"], candidate=ok[0]["candidate"],
                requests=sum(int(r["requests"]) for r in ok),
                TPOT=verdict.fmt_pct_values(stats.pct(mean), stats.pct(ci[0]), stats.pct(ci[1])),
                verdict=(("faster" if mean < 0 else "slower") if significant else "inconclusive")
-               + f" (interval only; the runs' agreement: Q p={p_q:.2g})", _mean=mean, _ci=ci, _q_p=p_q)
+               + f" (interval only; the runs' agreement: Q p={p_q:.2g}{fixed})", _mean=mean, _ci=ci, _q_p=p_q)
     return row
 
 
@@ -106,7 +119,8 @@ HELP = """python -m analysis.compare RUN_DIR [RUN_DIR ...] [key=value ...]
 One row per run: revisions, requests, TPOT effect [95% CI], tokens-per-step effect, A/A offset,
 verdict (percent changes of candidate vs control; negative TPOT is faster). Runs of the same two
 revisions also get a pooled row: their TPOT effects weighted by their errors, with a test of their
-agreement (several runs, each its own process, average the arms' offsets, which one longer run cannot).
+agreement (several runs, each its own process, average the arms' offsets, which one longer run cannot;
+runs that all imported their arms in one fixed order are marked: a bias of the arm order does not pool away).
   out=FILE            also write the table (.md: Markdown, .csv: CSV)
   n_boot=2000         bootstrap resamples per effect
   seed=0              bootstrap seed

@@ -83,6 +83,30 @@ def read_manifest(run_dir: str | Path) -> dict:
     return manifest
 
 
+def arm_orders(manifest: dict) -> dict[str, list[str]]:
+    """The order a run imported and built its arms in: the manifest's ``arm_orders`` record; for a run
+    recorded before it existed, its config's ``import_order`` / ``build_order`` (unset: control, candidate,
+    aa; the build follows the import)."""
+    rec = manifest.get("arm_orders")
+    if rec:
+        return {"import": [str(a) for a in rec["import"]], "build": [str(a) for a in rec["build"]]}
+    labels = [a for a in ARMS if a in (manifest.get("arms") or {})]
+    cfg = manifest.get("config") or {}
+
+    def parse(key: str, default: list[str]) -> list[str]:
+        v = cfg.get(key)
+        if not v:
+            return default
+        order = [a.strip() for a in v.strip().strip("[]").split(",")] if isinstance(v, str) else [str(a) for a in v]
+        if sorted(order) != sorted(labels):
+            raise RunDataError(f"{key}={v!r} in the manifest's config, without the arm_orders record: "
+                               f"not an order of the arms {labels}")
+        return order
+
+    imp = parse("import_order", labels)
+    return {"import": imp, "build": parse("build_order", imp)}
+
+
 def _read_parts(folder: Path, columns: dict, wanted: list[str], allow_corrupt: bool,
                 problems: list[str]) -> pd.DataFrame:
     files = sorted(folder.glob("*.parquet"))

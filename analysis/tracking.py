@@ -60,7 +60,7 @@ def params_from_manifest(m: dict) -> dict[str, str]:
         for k in ("rev", "sha", "dirty_diff", "module", "overrides"):
             if k in rec:
                 p[f"arm.{arm}.{k}"] = _value(rec[k])
-    for section in ("environment", "hashes", "instrument", "placement", "analysis"):
+    for section in ("environment", "hashes", "instrument", "placement", "analysis", "arm_orders"):
         for k, v in _flatten(m.get(section) or {}).items():
             if section == "hashes" and k.startswith("snapshot_files"):
                 continue   # one hash per request: in the manifest artifact, not as params

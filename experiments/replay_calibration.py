@@ -219,27 +219,32 @@ def request_pools(run_dirs: list[Path]) -> list[np.ndarray]:
 
 
 def arm_orders(manifest: dict) -> str:
-    """How a run imported and built its arms (``import_order`` / ``build_order``; defaults: control,
-    candidate, aa, and the build follows the import), as one label."""
-    from replay.paired import arm_order
-    cfg, labels = manifest.get("config") or {}, [a for a in ("control", "candidate", "aa") if a in manifest["arms"]]
-    imp = arm_order(cfg, "import_order", labels)
-    return f"import {','.join(imp)}; build {','.join(arm_order(cfg, 'build_order', imp))}"
+    """How a run imported and built its arms (``analysis.rawio.arm_orders``), as one label."""
+    o = rawio.arm_orders(manifest)
+    return f"import {','.join(o['import'])}; build {','.join(o['build'])}"
 
 
 def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> dict:
     """Which arm carries the run-level offset (``analysis.stats.arm_offset_components``), from the aa runs
     (three arms of the same code), per way the runs imported and built their arms: each arm's offset sd
     (a signed square root: negative when the runs scatter less than their request noise) with a bootstrap
-    95 % interval over runs. An offset that follows a position (say, the second import) moves to another
-    label when the order changes; one that follows the label stays."""
+    95 % interval over runs, and the two contrasts' means over runs (a bias that every run of the order
+    shares, which the scatter does not show). An offset that follows a position (say, the second import) moves
+    to another label when the order changes; one that follows the label stays. Over every aa run, whatever
+    its order: how much slower the first-built arm runs than the other two (``first_built_arm``)."""
     groups: dict[str, list[np.ndarray]] = {}
+    penalty = []     # per run: the first-built arm's log TPOT minus the mean of the other two arms'
     for d in run_dirs:
         if not d.name.startswith("aa-"):
             continue
         run = rawio.read_run(d)
         per = stats.analyze(run, n_boot=100, arm_sd_floor=0.0).per_request
-        groups.setdefault(arm_orders(run.manifest), []).append(per[["tpot", "aa_tpot"]].to_numpy())
+        x = per[["tpot", "aa_tpot"]].to_numpy()
+        groups.setdefault(arm_orders(run.manifest), []).append(x)
+        c, a = np.nanmean(x, axis=0)
+        level = {"control": 0.0, "candidate": c, "aa": a}
+        first = rawio.arm_orders(run.manifest)["build"][0]
+        penalty.append(level[first] - np.mean([v for k, v in level.items() if k != first]))
     signed = lambda v: float(math.copysign(math.sqrt(abs(v)), v)) if math.isfinite(v) else v   # noqa: E731
     rng = np.random.default_rng(seed)
     out = {}
@@ -247,9 +252,16 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
         est = stats.arm_offset_components(runs)
         boot = [stats.arm_offset_components([runs[k] for k in rng.integers(0, len(runs), len(runs))])
                 for _ in range(n_boot if len(runs) >= 3 else 0)]
-        out[orders] = {"runs": len(runs), **{arm: {
+        means = np.array([r.mean(axis=0) for r in runs])      # per run: candidate / control, A/A / control
+        sem = means.std(axis=0, ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else np.full(2, np.nan)
+        out[orders] = {"runs": len(runs), "mean_contrasts": {    # a bias that every run of the order shares
+            k: {"mean": float(means[:, j].mean()), "se": float(sem[j])}
+            for j, k in enumerate(("candidate_vs_control", "aa_vs_control"))}, **{arm: {
             "sd": signed(v), "sd_ci": [signed(float(np.nanquantile([b[arm] for b in boot], q))) for q in (0.025, 0.975)]
             if boot else [float("nan")] * 2} for arm, v in est.items()}}
+    if len(penalty) > 1:    # the first arm's penalty, over every aa run whatever its order (session 58: ~0.1 %)
+        out["first_built_arm"] = {"runs": len(penalty), "mean": float(np.mean(penalty)),
+                                  "se": float(np.std(penalty, ddof=1) / math.sqrt(len(penalty)))}
     return out
 
 
@@ -420,9 +432,15 @@ def main(argv) -> int:
               f"{o['z_rms']:.2f}; pooled arm offset {100 * o['pooled_arm_sd']:.3f} % (95 %: "
               f"{100 * o['pooled_arm_sd_ci'][0]:.3f}-{100 * o['pooled_arm_sd_ci'][1]:.3f})")
     for orders, c in checks["arm_components"].items():
+        if orders == "first_built_arm":
+            print(f"{'first-built arm':>28}: {100 * c['mean']:+.3f} % (se {100 * c['se']:.3f}) slower than the mean of the "
+                  f"other two, over {c['runs']} aa runs")
+            continue
         print(f"{'arm offsets (aa runs)':>28}: {c['runs']} runs ({orders}): " + "; ".join(
             f"{arm} {100 * c[arm]['sd']:+.3f} % ({100 * c[arm]['sd_ci'][0]:+.3f} to {100 * c[arm]['sd_ci'][1]:+.3f})"
-            for arm in ("control", "candidate", "aa")))
+            for arm in ("control", "candidate", "aa"))
+              + "; mean " + ", ".join(f"{k.replace('_vs_', ' vs ')} {100 * v['mean']:+.3f} % (se {100 * v['se']:.3f})"
+                                      for k, v in c["mean_contrasts"].items()))
     # (a scenario with no finished run has its checks None: not run, neither passed nor failed)
     return 0 if all(v for k, v in checks.items() if k.endswith("_ok") and v is not None) else 1
 

@@ -271,10 +271,10 @@ def test_calibration_pooled_offsets_find_an_offset_one_kind_carries():
 
 
 def test_calibration_groups_runs_by_how_they_imported_and_built_their_arms():
-    """The per-arm offsets are estimated per arm order: the build follows the import unless set, and an
-    order that names an arm twice is refused as the replay refuses it."""
+    """The per-arm offsets are estimated per arm order: the recorded one, else the config's (the build
+    follows the import unless set); an order that names an arm twice is refused."""
     import replay_calibration as rc
-    from replay.paired import ReplayError
+    from analysis.rawio import RunDataError
     arms = {"control": {}, "candidate": {}, "aa": {}}
     assert rc.arm_orders({"config": {}, "arms": arms}) == \
         "import control,candidate,aa; build control,candidate,aa"
@@ -282,8 +282,12 @@ def test_calibration_groups_runs_by_how_they_imported_and_built_their_arms():
         "import candidate,control,aa; build candidate,control,aa"
     assert rc.arm_orders({"config": {"import_order": ["candidate", "control", "aa"], "build_order": "aa,control,candidate"},
                           "arms": arms}) == "import candidate,control,aa; build aa,control,candidate"
-    with pytest.raises(ReplayError, match="once"):
+    with pytest.raises(RunDataError, match="not an order of the arms"):
         rc.arm_orders({"config": {"build_order": "control,control,aa"}, "arms": arms})
+    # a run that records its orders (every run since import_order=random): the record, whatever the config says
+    assert rc.arm_orders({"config": {"import_order": "random"}, "arms": arms,
+                          "arm_orders": {"import": ["aa", "control", "candidate"], "build": ["aa", "control", "candidate"]}}) \
+        == "import aa,control,candidate; build aa,control,candidate"
 
 
 def test_calibration_resampled_coverage_checks_the_method_on_the_runs_own_noise():

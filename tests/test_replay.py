@@ -206,6 +206,11 @@ def test_candidate_change_is_detected_and_aa_matches_control(env):
     assert m["analysis"] == {"arm_sd_floor": 0.0}     # auto on the CPU
     assert "placement: the arms' engines built 6 times" in p.out, p.out
     assert sorted(req.groupby("request_id")["epoch"].agg(lambda e: tuple(sorted(set(e)))).tolist()) == [(0,), (1,)]
+    # import_order=random (the default): an order drawn for this run, recorded, the build following it
+    o = m["arm_orders"]
+    assert sorted(o["import"]) == ["aa", "candidate", "control"] and o["build"] == o["import"], o
+    assert f"arm order: imported {', '.join(o['import'])}; built {', '.join(o['build'])}" in p.out
+    assert m["config"]["import_order"] == "random"
 
 
 def test_reformat_only_is_refused_as_ineffective(env):
@@ -227,6 +232,8 @@ def test_resume_after_interruption_matches_uninterrupted_run(env):
     p = replay(env, "resume=true", f"RUN_DIR={a}")
     assert p.returncode == 0, p.out
     assert "5 already complete" in p.out
+    o = manifest(a)["arm_orders"]       # the resumed run imports and builds its arms as the first part did
+    assert f"arm order: imported {', '.join(o['import'])}; built {', '.join(o['build'])}" in p.out, p.out
     assert manifest(a)["status"] == "complete"
     p = replay(env, *args, f"RUN_DIR={b}")
     assert p.returncode == 0, p.out
@@ -359,6 +366,33 @@ def test_import_order_imports_the_arms_in_that_order(monkeypatch):
     assert imported == ["candidate", "control", "aa"] and list(got) == imported
     imported.clear()
     assert list(armsmod.load_arms(Path("."), revs, {})) == imported == labels       # the default
+
+
+def test_random_arm_orders_are_drawn_per_run_and_a_resume_keeps_the_recorded_one():
+    """``import_order=random`` / ``build_order=random`` draw every order of the arms (a bias of the first
+    arm then falls on each arm alike over runs); a resumed run takes its manifest's record, and a run
+    recorded before the record existed its config's orders."""
+    import random
+
+    from replay import paired
+
+    labels = ["control", "candidate", "aa"]
+    rng = random.Random(0)
+    seen = {tuple(paired.arm_order({"import_order": "random"}, "import_order", labels, rng)) for _ in range(60)}
+    assert len(seen) == 6, seen
+    assert sorted(paired.arm_order({"build_order": "Random"}, "build_order", labels)) == sorted(labels)
+    assert paired.arm_order({"import_order": None}, "import_order", labels) == labels     # null: the fixed order
+    arms = {a: {} for a in labels}
+    rec = {"import": ["aa", "control", "candidate"], "build": ["candidate", "aa", "control"]}
+    order, cfg = paired.recorded_orders({"arms": arms, "arm_orders": rec, "config": {"import_order": "random"}},
+                                        {"import_order": "random", "seed": 3})
+    assert order == rec["import"] and cfg["build_order"] == rec["build"] and cfg["seed"] == 3
+    built = paired.build_order(cfg, {a: a.upper() for a in order})
+    assert built == ["CANDIDATE", "AA", "CONTROL"]
+    legacy = {"arms": arms, "config": {"import_order": "[candidate,control,aa]"}}
+    order, cfg = paired.recorded_orders(legacy, {"x": 1})
+    assert order == ["candidate", "control", "aa"] and cfg == {"x": 1}
+    assert paired.recorded_orders({"arms": arms, "config": {}}, {})[0] == labels
 
 
 def test_arm_sd_floor_auto_follows_the_device_and_refuses_nonsense():

@@ -176,6 +176,36 @@ def test_pooling_runs_averages_their_arm_offsets_when_each_interval_holds_its_of
     assert hits["floored"] / n >= 0.92 and hits["requests"] / n <= 0.85, hits
 
 
+def test_pooling_cannot_average_away_a_fixed_arm_order_but_a_random_one_can():
+    """The first arm imported and built runs slower by b (session 58: 0.067 % on the H200, se 0.024). Runs that all
+    put the candidate first (a fixed order: the negative control) pool to an interval that misses the truth
+    0 ever more surely with more runs; runs that each draw their order (import_order=random) carry +b, -b
+    or 0 and pool to ~95 %. The pooled row marks the fixed case."""
+    import itertools
+
+    import numpy as np
+    rng = np.random.default_rng(5)
+    b, se, floor, runs, n = 0.0013, 0.0016, 0.0017, 20, 300
+    orders = list(itertools.permutations(["control", "candidate", "aa"]))
+    hits = {"fixed": 0, "random": 0}
+    for _ in range(n):
+        for kind in hits:
+            drawn = [orders[2] if kind == "fixed" else orders[k] for k in rng.integers(0, 6, runs)]   # (cand first)
+            m = [b * ((o[0] == "candidate") - (o[0] == "control")) + rng.normal(0, se) for o in drawn]
+            rows = _pool_rows(m, [math.hypot(se, floor)] * runs)
+            for r, o in zip(rows, drawn):
+                r["_orders"] = (o, kind == "random")
+            row = compare.pooled_row(rows)
+            hits[kind] += row["_ci"][0] <= 0 <= row["_ci"][1]
+            assert ("one fixed order (candidate, control, aa)" in row["verdict"]) == (kind == "fixed"), row["verdict"]
+    assert hits["random"] / n >= 0.92 and hits["fixed"] / n <= 0.4, hits
+    # runs of several fixed orders, or of unknown ones, are not marked
+    rows = _pool_rows([0.001, 0.002], [0.002, 0.002])
+    rows[0]["_orders"], rows[1]["_orders"] = (tuple(orders[0]), False), (tuple(orders[1]), False)
+    assert "fixed order" not in compare.pooled_row(rows)["verdict"]
+    assert "fixed order" not in compare.pooled_row(_pool_rows([0.001, 0.002], [0.002, 0.002]))["verdict"]
+
+
 # ----------------------------------------------------------------------------- rawio
 
 def test_reads_all_part_files(run_dir):
