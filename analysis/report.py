@@ -289,6 +289,25 @@ def arm_offset_blocks(a: Analysis) -> list[tuple]:
                   f"requests alone is [{lo:+.1f}%, {hi:+.1f}%].")]
 
 
+def arm_order_blocks(m: dict) -> list[tuple]:
+    """How the run imported and built its arms, and what that means for its offsets (session 58: on the H200
+    the first-built arm ran ~0.07 % slower than the other two)."""
+    try:
+        o = rawio.arm_orders(m)
+    except rawio.RunDataError as e:
+        return [("p", f"Arm order: unknown ({e}).")]
+    if not o["import"]:
+        return []
+    drawn = str((m.get("config") or {}).get("import_order")).lower() == "random"
+    how = ("drawn at random for this run, so over runs the bias falls on each arm alike" if drawn else
+           "fixed, not drawn: every run in this order shares the bias, and pooling runs does not remove it "
+           "(import_order=random)")
+    order = (f"imported and first built {', '.join(o['import'])}" if o["build"] == o["import"] else
+             f"imported {', '.join(o['import'])}, first built {', '.join(o['build'])}")
+    return [("p", f"Arm order: {order}. The arm built first "
+                  f"ran about 0.07 % slower than the other two on the H200 (session 58); this order was {how}.")]
+
+
 def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
                  plots: list[tuple[str, str, bytes]]) -> list[tuple]:
     m = run.manifest
@@ -307,6 +326,7 @@ def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,
                        f"so an arm's placement offset is shared by an epoch's requests only. Intervals "
                        f"resample the {k} epochs (distinct sets of epochs a request ran in), and p-values, "
                        f"Hodges–Lehmann estimates and detectable effects are those of the epochs' means."))
+    B += arm_order_blocks(m)
     if a.aa:
         head_aa = ["metric", "control", "A/A", "ratio", "change", lvl, "p (Wilcoxon)", "significant"]
         rows = [effect_row(a.aa[k], alpha) for k in ("tpot", "step", "tps")]

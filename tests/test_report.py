@@ -53,6 +53,8 @@ def test_report_is_self_contained_with_plots_and_headline(run_dir):
     assert html.escape(headline) in page
     md = (out / "report.md").read_text()
     assert headline in md and "| time per output token |" in md
+    # a run recorded without arm_orders (before session 58): its config's order, fixed
+    assert "Arm order: imported and first built control, candidate, aa. " in md and "this order was fixed" in md
     for name in ("effects_sorted", "effect_vs_context", "latency_by_width", "accepted_hist", "drift"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
         assert f"plots/{name}.png" in md
@@ -97,6 +99,20 @@ def test_arm_offset_paragraph_names_what_widened_the_intervals():
     a = stats.analyze(offset, n_boot=200, arm_sd_floor=0.0017)     # the A/A arm's offset exceeds the floor
     (text,) = [b[1] for b in report.arm_offset_blocks(a)]
     assert "floor" not in text and "this run's A/A arm shows" in text and a.effects["tpot"].arm_sd > 0.0017
+
+
+def test_report_says_how_the_arms_were_ordered():
+    m = {"arms": {"control": {}, "candidate": {}, "aa": {}}, "config": {"import_order": "random"},
+         "arm_orders": {"import": ["aa", "control", "candidate"], "build": ["aa", "control", "candidate"]}}
+    (kind, text), = report.arm_order_blocks(m)
+    assert text.startswith("Arm order: imported and first built aa, control, candidate. ") and "drawn at random" in text
+    m = {**m, "config": {"import_order": "[aa,control,candidate]", "build_order": "control,aa,candidate"},
+         "arm_orders": None}
+    (kind, text), = report.arm_order_blocks(m)
+    assert "Arm order: imported aa, control, candidate, first built control, aa, candidate." in text
+    assert "fixed, not drawn" in text
+    (kind, text), = report.arm_order_blocks({**m, "config": {"import_order": "aa,aa,control"}})
+    assert text.startswith("Arm order: unknown")
 
 
 def test_report_cli_subprocess_and_help(run_dir, tmp_path, capsys):
