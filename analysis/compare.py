@@ -60,8 +60,8 @@ def run_row(run_dir: str | Path, n_boot: int = 2000, seed: int = 0, alpha: float
     row["TPOT"] = verdict.fmt_pct(a.effects["tpot"])
     row["_tpot"] = a.effects["tpot"]
     try:
-        row["_orders"] = (tuple(rawio.arm_orders(run.manifest)["import"]),
-                          str((run.manifest.get("config") or {}).get("import_order")).lower() == "random")
+        o = rawio.arm_orders(run.manifest)
+        row["_orders"] = (tuple(o["import"]), o["random"])
     except rawio.RunDataError:
         row["_orders"] = None
     row["tokens/step"] = verdict.fmt_pct(a.effects["tps"])

@@ -83,28 +83,34 @@ def read_manifest(run_dir: str | Path) -> dict:
     return manifest
 
 
-def arm_orders(manifest: dict) -> dict[str, list[str]]:
-    """The order a run imported and built its arms in: the manifest's ``arm_orders`` record; for a run
-    recorded before it existed, its config's ``import_order`` / ``build_order`` (unset: control, candidate,
-    aa; the build follows the import)."""
+def parse_arm_order(value, labels: list[str], key: str) -> list[str] | None:
+    """An arm-order setting (``import_order`` / ``build_order``): a list, or a comma-separated string with or
+    without brackets, naming each of ``labels`` once; None when unset or ``random`` (drawn, not given)."""
+    if not value or (isinstance(value, str) and value.strip().lower() == "random"):
+        return None
+    order = ([a.strip() for a in value.strip().strip("[]").split(",")] if isinstance(value, str)
+             else [str(a) for a in value])
+    if sorted(order) != sorted(labels):
+        raise RunDataError(f"{key}={order} must name each of the arms {list(labels)} once")
+    return order
+
+
+def arm_orders(manifest: dict) -> dict:
+    """The order a run imported and built its arms in, and whether it was drawn at random
+    (``import_order=random``): the manifest's ``arm_orders`` record; for a run recorded before it existed,
+    its config's ``import_order`` / ``build_order`` (unset: control, candidate, aa; the build follows the
+    import)."""
+    cfg = manifest.get("config") or {}
+    drawn = str(cfg.get("import_order")).strip().lower() == "random"
     rec = manifest.get("arm_orders")
     if rec:
-        return {"import": [str(a) for a in rec["import"]], "build": [str(a) for a in rec["build"]]}
+        return {"import": [str(a) for a in rec["import"]], "build": [str(a) for a in rec["build"]], "random": drawn}
     labels = [a for a in ARMS if a in (manifest.get("arms") or {})]
-    cfg = manifest.get("config") or {}
-
-    def parse(key: str, default: list[str]) -> list[str]:
-        v = cfg.get(key)
-        if not v:
-            return default
-        order = [a.strip() for a in v.strip().strip("[]").split(",")] if isinstance(v, str) else [str(a) for a in v]
-        if sorted(order) != sorted(labels):
-            raise RunDataError(f"{key}={v!r} in the manifest's config, without the arm_orders record: "
-                               f"not an order of the arms {labels}")
-        return order
-
-    imp = parse("import_order", labels)
-    return {"import": imp, "build": parse("build_order", imp)}
+    if drawn:
+        raise RunDataError("import_order=random in the manifest's config, but no arm_orders record of the order drawn")
+    imp = parse_arm_order(cfg.get("import_order"), labels, "import_order") or labels
+    return {"import": imp, "build": parse_arm_order(cfg.get("build_order"), imp, "build_order") or imp,
+            "random": False}
 
 
 def _read_parts(folder: Path, columns: dict, wanted: list[str], allow_corrupt: bool,

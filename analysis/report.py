@@ -298,8 +298,7 @@ def arm_order_blocks(m: dict) -> list[tuple]:
         return [("p", f"Arm order: unknown ({e}).")]
     if not o["import"]:
         return []
-    drawn = str((m.get("config") or {}).get("import_order")).lower() == "random"
-    how = ("drawn at random for this run, so over runs the bias falls on each arm alike" if drawn else
+    how = ("drawn at random for this run, so over runs the bias falls on each arm alike" if o["random"] else
            "fixed, not drawn: every run in this order shares the bias, and pooling runs does not remove it "
            "(import_order=random)")
     order = (f"imported and first built {', '.join(o['import'])}" if o["build"] == o["import"] else

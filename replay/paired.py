@@ -660,21 +660,22 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
 
 
 def arm_order(cfg, key: str, labels: list[str], rng: random.Random | None = None) -> list[str]:
-    """The labels in the order setting ``key`` gives (a list, or a comma-separated string with or without
-    brackets, naming each label once; unset: ``labels`` as they are; ``random``: shuffled by ``rng``,
-    default fresh entropy, so that separate runs of one command draw separate orders)."""
-    order = cfg.get(key)
-    if not order:
-        return list(labels)
-    if isinstance(order, str) and order.strip().lower() == "random":
-        out = list(labels)
+    """The labels in the order setting ``key`` gives (``analysis.rawio.parse_arm_order``: a list, or a
+    comma-separated string with or without brackets, naming each label once; unset: ``labels`` as they are;
+    ``random``: shuffled by ``rng``, default fresh entropy, so that separate runs of one command draw
+    separate orders)."""
+    from analysis.rawio import RunDataError, parse_arm_order
+
+    try:
+        order = parse_arm_order(cfg.get(key), labels, key)
+    except RunDataError as e:
+        raise ReplayError(str(e)) from None
+    if order is not None:
+        return order
+    out = list(labels)
+    if cfg.get(key):      # random
         (rng or random.SystemRandom()).shuffle(out)
-        return out
-    order = ([s.strip() for s in order.strip().strip("[]").split(",")] if isinstance(order, str)
-             else [str(s) for s in order])
-    if sorted(order) != sorted(labels):
-        raise ReplayError(f"{key}={order} must name each of the arms {list(labels)} once")
-    return order
+    return out
 
 
 def build_order(cfg, arms: dict) -> list:
@@ -685,14 +686,15 @@ def build_order(cfg, arms: dict) -> list:
 
 
 def recorded_orders(manifest: dict, cfg) -> tuple[list[str], dict]:
-    """A resumed run's import order and the config that rebuilds its arms in the order they were built:
-    the manifest's ``arm_orders`` (a run recorded before it existed: its config's settings, where
-    ``random`` could not have been set)."""
-    labels = [a for a in armsmod.ARMS if a in manifest["arms"]]
-    rec = manifest.get("arm_orders")
-    if rec:
-        return list(rec["import"]), {**cfg, "build_order": list(rec["build"])}
-    return arm_order(manifest.get("config") or {}, "import_order", labels), cfg
+    """A resumed run's import order, and the config that builds its arms in the order they were first built
+    (``analysis.rawio.arm_orders``: the manifest's record, or the config of a run recorded before it)."""
+    from analysis.rawio import RunDataError, arm_orders
+
+    try:
+        o = arm_orders(manifest)
+    except RunDataError as e:
+        raise ReplayError(f"cannot resume: {e}") from None
+    return o["import"], {**cfg, "build_order": o["build"]}
 
 
 GPU_ARM_SD_FLOOR = 0.0017   # arm_sd_floor=auto on a GPU: the candidate contrasts' pooled arm offset over 27 A/A

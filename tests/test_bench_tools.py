@@ -282,12 +282,14 @@ def test_calibration_groups_runs_by_how_they_imported_and_built_their_arms():
         "import candidate,control,aa; build candidate,control,aa"
     assert rc.arm_orders({"config": {"import_order": ["candidate", "control", "aa"], "build_order": "aa,control,candidate"},
                           "arms": arms}) == "import candidate,control,aa; build aa,control,candidate"
-    with pytest.raises(RunDataError, match="not an order of the arms"):
+    with pytest.raises(RunDataError, match="must name each of the arms"):
         rc.arm_orders({"config": {"build_order": "control,control,aa"}, "arms": arms})
     # a run that records its orders (every run since import_order=random): the record, whatever the config says
     assert rc.arm_orders({"config": {"import_order": "random"}, "arms": arms,
                           "arm_orders": {"import": ["aa", "control", "candidate"], "build": ["aa", "control", "candidate"]}}) \
         == "import aa,control,candidate; build aa,control,candidate"
+    with pytest.raises(RunDataError, match="no arm_orders record"):     # random, but the draw is lost
+        rc.arm_orders({"config": {"import_order": "random"}, "arms": arms})
 
 
 def test_calibration_resampled_coverage_checks_the_method_on_the_runs_own_noise():

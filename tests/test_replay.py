@@ -391,7 +391,7 @@ def test_random_arm_orders_are_drawn_per_run_and_a_resume_keeps_the_recorded_one
     assert built == ["CANDIDATE", "AA", "CONTROL"]
     legacy = {"arms": arms, "config": {"import_order": "[candidate,control,aa]"}}
     order, cfg = paired.recorded_orders(legacy, {"x": 1})
-    assert order == ["candidate", "control", "aa"] and cfg == {"x": 1}
+    assert order == ["candidate", "control", "aa"] and cfg == {"x": 1, "build_order": order}
     assert paired.recorded_orders({"arms": arms, "config": {}}, {})[0] == labels
 
 
