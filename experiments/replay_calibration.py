@@ -231,9 +231,10 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
     95 % interval over runs, and the two contrasts' means over runs (a bias that every run of the order
     shares, which the scatter does not show). An offset that follows a position (say, the second import) moves
     to another label when the order changes; one that follows the label stays. Over every aa run, whatever
-    its order: how much slower the first-built arm runs than the other two (``first_built_arm``)."""
+    its order: how much slower the first-built arm runs than the other two (``first_built_arm``), and the
+    first-imported (``first_imported_arm``; the same runs unless some set ``build_order`` apart)."""
     groups: dict[str, list[np.ndarray]] = {}
-    penalty = []     # per run: the first-built arm's log TPOT minus the mean of the other two arms'
+    penalty = {"build": [], "import": []}   # per run: the first arm's log TPOT minus the mean of the other two
     for d in run_dirs:
         if not d.name.startswith("aa-"):
             continue
@@ -243,8 +244,10 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
         groups.setdefault(arm_orders(run.manifest), []).append(x)
         c, a = np.nanmean(x, axis=0)
         level = {"control": 0.0, "candidate": c, "aa": a}
-        first = rawio.arm_orders(run.manifest)["build"][0]
-        penalty.append(level[first] - np.mean([v for k, v in level.items() if k != first]))
+        o = rawio.arm_orders(run.manifest)
+        for how in penalty:
+            first = o[how][0]
+            penalty[how].append(level[first] - np.mean([v for k, v in level.items() if k != first]))
     signed = lambda v: float(math.copysign(math.sqrt(abs(v)), v)) if math.isfinite(v) else v   # noqa: E731
     rng = np.random.default_rng(seed)
     out = {}
@@ -259,9 +262,12 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
             for j, k in enumerate(("candidate_vs_control", "aa_vs_control"))}, **{arm: {
             "sd": signed(v), "sd_ci": [signed(float(np.nanquantile([b[arm] for b in boot], q))) for q in (0.025, 0.975)]
             if boot else [float("nan")] * 2} for arm, v in est.items()}}
-    if len(penalty) > 1:    # the first arm's penalty, over every aa run whatever its order (session 58: ~0.1 %)
-        out["first_built_arm"] = {"runs": len(penalty), "mean": float(np.mean(penalty)),
-                                  "se": float(np.std(penalty, ddof=1) / math.sqrt(len(penalty)))}
+    # the first arm's penalty over every aa run whatever its order (session 58: +0.067 %, se 0.024); the first
+    # imported and the first built differ only in runs that set build_order apart (e.g. build_order=random)
+    for how, pen in penalty.items():
+        if len(pen) > 1:
+            out[f"first_{'built' if how == 'build' else 'imported'}_arm"] = {
+                "runs": len(pen), "mean": float(np.mean(pen)), "se": float(np.std(pen, ddof=1) / math.sqrt(len(pen)))}
     return out
 
 
@@ -432,9 +438,10 @@ def main(argv) -> int:
               f"{o['z_rms']:.2f}; pooled arm offset {100 * o['pooled_arm_sd']:.3f} % (95 %: "
               f"{100 * o['pooled_arm_sd_ci'][0]:.3f}-{100 * o['pooled_arm_sd_ci'][1]:.3f})")
     for orders, c in checks["arm_components"].items():
-        if orders == "first_built_arm":
-            print(f"{'first-built arm':>28}: {100 * c['mean']:+.3f} % (se {100 * c['se']:.3f}) slower than the mean of the "
-                  f"other two, over {c['runs']} aa runs")
+        if orders.startswith("first_"):
+            print(f"{orders.replace('first_', 'first-').replace('_', ' '):>28}: "
+                  f"{100 * c['mean']:+.3f} % (se {100 * c['se']:.3f}) slower than the mean of the other two, over "
+                  f"{c['runs']} aa runs")
             continue
         print(f"{'arm offsets (aa runs)':>28}: {c['runs']} runs ({orders}): " + "; ".join(
             f"{arm} {100 * c[arm]['sd']:+.3f} % ({100 * c[arm]['sd_ci'][0]:+.3f} to {100 * c[arm]['sd_ci'][1]:+.3f})"

@@ -292,6 +292,46 @@ def test_calibration_groups_runs_by_how_they_imported_and_built_their_arms():
         rc.arm_orders({"config": {"import_order": "random"}, "arms": arms})
 
 
+def test_calibration_finds_the_penalty_of_the_first_built_arm(tmp_path):
+    """A/A runs in which the arm built first (recorded in each manifest's arm_orders) runs slower by b: the
+    first-built arm's penalty reads b. Negative control: the same runs with their recorded orders shuffled,
+    so the slow arm is not the first one: the penalty reads ~0."""
+    import json
+    import random
+
+    import numpy as np
+    import replay_calibration as rc
+    from analysis import synthetic
+
+    b, n = 0.01, 12
+    labels = ["control", "candidate", "aa"]
+    orders = [labels[k:] + labels[:k] for k in range(3)] * (n // 3)      # each arm first in turn
+    effects = {"candidate": {"latency_effect": b}, "aa": {"aa_offset": b},
+               "control": {"latency_effect": -b, "aa_offset": -b}}         # control slower than both
+    dirs = []
+    for i, order in enumerate(orders):
+        d = synthetic.write_run(tmp_path / f"aa-{i:03d}", synthetic.SyntheticSpec(
+            seed=100 + i, n_requests=12, output_min=16, output_max=32, step_noise_sd=0.01, decode_noise_sd=0.001,
+            spike_prob=0.0, **effects[order[0]]))
+        dirs.append(d)
+
+    def record(shuffle: bool):
+        rng = random.Random(1)
+        for d, order in zip(dirs, orders):
+            o = rng.sample(labels, 3) if shuffle else order
+            m = json.loads((d / "manifest.json").read_text())
+            m["arm_orders"], m.setdefault("config", {})["import_order"] = {"import": o, "build": o}, "random"
+            (d / "manifest.json").write_text(json.dumps(m))
+        return rc.arm_components(dirs, n_boot=50)
+
+    got = record(shuffle=False)
+    pen = got["first_built_arm"]
+    assert pen["runs"] == n and abs(pen["mean"] - b) < 0.25 * b, pen
+    assert got["first_imported_arm"]["mean"] == pen["mean"]
+    shuffled = record(shuffle=True)["first_built_arm"]
+    assert abs(shuffled["mean"]) < 0.5 * b, shuffled
+
+
 def test_calibration_resampled_coverage_checks_the_method_on_the_runs_own_noise():
     """Independent draws from heavy-tailed per-request pools (one per context rank): the harness's request
     interval holds the truth ~95 % of the time; the negative control, the same interval shrunk to half its
