@@ -698,7 +698,9 @@ def recorded_orders(manifest: dict, cfg) -> tuple[list[str], dict]:
 
 
 GPU_ARM_SD_FLOOR = 0.0017   # arm_sd_floor=auto on a GPU: the candidate contrasts' pooled arm offset over 27 A/A
-                            # replays on the H200 (session 57, experiments/notes/placement.md); analysis.stats
+                            # replays on the H200 (session 57, experiments/notes/placement.md); 45 replays in
+                            # session 58 read 0.164 % (0.102-0.211), and its 18 new ones, recorded with this
+                            # floor, held 0 in 18 of 18; analysis.stats
 
 
 def arm_sd_floor(cfg: dict, cuda: bool) -> float:
