@@ -232,22 +232,31 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
     shares, which the scatter does not show). An offset that follows a position (say, the second import) moves
     to another label when the order changes; one that follows the label stays. Over every aa run, whatever
     its order: how much slower the first-built arm runs than the other two (``first_built_arm``), and the
-    first-imported (``first_imported_arm``; the same runs unless some set ``build_order`` apart)."""
+    first-imported (``first_imported_arm``; the same runs unless some set ``build_order`` apart), over all
+    requests and per quarter of each run's requests by context length (medians of their ranges)."""
     groups: dict[str, list[np.ndarray]] = {}
-    penalty = {"build": [], "import": []}   # per run: the first arm's log TPOT minus the mean of the other two
+    # per run: the first arm's log TPOT minus the mean of the other two, over all its requests and per quarter
+    # of them by context length (their contexts' ranges in `quarters`)
+    penalty: dict[str, list[list[float]]] = {"build": [], "import": []}
+    quarters: list[list[tuple[int, int]]] = []
     for d in run_dirs:
         if not d.name.startswith("aa-"):
             continue
         run = rawio.read_run(d)
-        per = stats.analyze(run, n_boot=100, arm_sd_floor=0.0).per_request
+        per = stats.analyze(run, n_boot=100, arm_sd_floor=0.0).per_request.sort_values("context_len")
         x = per[["tpot", "aa_tpot"]].to_numpy()
         groups.setdefault(arm_orders(run.manifest), []).append(x)
-        c, a = np.nanmean(x, axis=0)
-        level = {"control": 0.0, "candidate": c, "aa": a}
+        parts = [np.arange(len(x))] + list(np.array_split(np.arange(len(x)), 4))
+        quarters.append([(int(per["context_len"].iloc[q].min()), int(per["context_len"].iloc[q].max()))
+                         for q in parts[1:] if len(q)])
         o = rawio.arm_orders(run.manifest)
         for how in penalty:
-            first = o[how][0]
-            penalty[how].append(level[first] - np.mean([v for k, v in level.items() if k != first]))
+            first, pen = o[how][0], []
+            for q in parts:
+                c, a = np.nanmean(x[q], axis=0) if len(q) else (np.nan, np.nan)
+                level = {"control": 0.0, "candidate": c, "aa": a}
+                pen.append(level[first] - np.mean([v for k, v in level.items() if k != first]))
+            penalty[how].append(pen)
     signed = lambda v: float(math.copysign(math.sqrt(abs(v)), v)) if math.isfinite(v) else v   # noqa: E731
     rng = np.random.default_rng(seed)
     out = {}
@@ -264,10 +273,17 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
             if boot else [float("nan")] * 2} for arm, v in est.items()}}
     # the first arm's penalty over every aa run whatever its order (session 58: +0.067 %, se 0.024); the first
     # imported and the first built differ only in runs that set build_order apart (e.g. build_order=random)
+    # (session 58: all of it in the longer contexts, +0.24 % (se 0.06) in the longest quarter, ~0 up to 15K)
     for how, pen in penalty.items():
-        if len(pen) > 1:
-            out[f"first_{'built' if how == 'build' else 'imported'}_arm"] = {
-                "runs": len(pen), "mean": float(np.mean(pen)), "se": float(np.std(pen, ddof=1) / math.sqrt(len(pen)))}
+        if len(pen) < 2:
+            continue
+        pen = np.array(pen)
+        mean, se = np.nanmean(pen, axis=0), np.nanstd(pen, axis=0, ddof=1) / np.sqrt(np.isfinite(pen).sum(axis=0))
+        ctx = np.median(np.array([q for q in quarters if len(q) == 4]), axis=0) if quarters else []
+        out[f"first_{'built' if how == 'build' else 'imported'}_arm"] = {
+            "runs": len(pen), "mean": float(mean[0]), "se": float(se[0]),
+            "by_context": [{"contexts": [int(lo), int(hi)], "mean": float(m), "se": float(e)}
+                           for (lo, hi), m, e in zip(ctx, mean[1:], se[1:])]}
     return out
 
 
@@ -441,7 +457,9 @@ def main(argv) -> int:
         if orders.startswith("first_"):
             print(f"{orders.replace('first_', 'first-').replace('_', ' '):>28}: "
                   f"{100 * c['mean']:+.3f} % (se {100 * c['se']:.3f}) slower than the mean of the other two, over "
-                  f"{c['runs']} aa runs")
+                  f"{c['runs']} aa runs; by context quarter: " + ", ".join(
+                      f"{q['contexts'][0] // 1000}K-{q['contexts'][1] // 1000}K {100 * q['mean']:+.3f} % "
+                      f"(se {100 * q['se']:.3f})" for q in c["by_context"]))
             continue
         print(f"{'arm offsets (aa runs)':>28}: {c['runs']} runs ({orders}): " + "; ".join(
             f"{arm} {100 * c[arm]['sd']:+.3f} % ({100 * c[arm]['sd_ci'][0]:+.3f} to {100 * c[arm]['sd_ci'][1]:+.3f})"

@@ -328,6 +328,9 @@ def test_calibration_finds_the_penalty_of_the_first_built_arm(tmp_path):
     pen = got["first_built_arm"]
     assert pen["runs"] == n and abs(pen["mean"] - b) < 0.25 * b, pen
     assert got["first_imported_arm"]["mean"] == pen["mean"]
+    # per quarter of the requests by context (the synthetic penalty is the same at every length)
+    assert len(pen["by_context"]) == 4 and all(abs(q["mean"] - b) < 0.5 * b for q in pen["by_context"]), pen
+    assert [q["contexts"][0] < q["contexts"][1] for q in pen["by_context"]] == [True] * 4
     shuffled = record(shuffle=True)["first_built_arm"]
     assert abs(shuffled["mean"]) < 0.5 * b, shuffled
 
