@@ -71,6 +71,8 @@ Defaults in conf/paired.yaml; common settings:
                                      since the first ran ~0.07 % slower on the H200; null: control,
                                      candidate, aa; or a list, e.g. [candidate,control,aa])
   build_order=[aa,candidate,control]   build the engines in another order than the import (random too)
+  request_order=given                decode the requests as selected (spread/shortest: by context);
+                                     default shuffled by the seed, so drift is not read as context
   arm_sd_floor=0.002                 widen every candidate interval by at least this arm offset (sd,
                                      natural log; auto: 0.0017 on a GPU, 0 on the CPU)
   tracking.uri=http://host:port      MLflow server (default sqlite:///$IQUESTRT_HOME/mlflow.db)
@@ -536,6 +538,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
     cfg["RUN_DIR"] = str(run_dir)
     progress = bool(cfg.get("progress", True))
     command = "python -m replay.paired " + shlex.join(argv_display)
+    shuffle_requests = request_order(cfg) == "shuffled"      # (checked before anything is loaded)
 
     # arms: revisions → modules → engines
     try:
@@ -639,7 +642,7 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
 
     # the arms in their fixed order, not the import order: the schedule is a function of the seed alone
     plan = schedule.plan([r.request_id for r in reqs], [a for a in armsmod.ARMS if a in arms], int(cfg["reps"]),
-                         int(cfg["seed"]))
+                         int(cfg["seed"]), shuffle_requests=shuffle_requests)
     if epochs.per_epoch:
         print(f"placement: {epochs.describe()}")
     done = writer.completed()
@@ -683,6 +686,16 @@ def build_order(cfg, arms: dict) -> list:
     the import order). Building allocates an engine's weights, caches and graphs: a diagnostic for an arm
     offset that follows allocation order rather than code."""
     return [arms[label] for label in arm_order(cfg, "build_order", list(arms))]
+
+
+def request_order(cfg) -> str:
+    """``request_order``: ``shuffled`` (the requests decoded in an order drawn from the seed) or ``given``
+    (as selected: ``spread`` and ``shortest`` sort by context). Unset, as in a run recorded before the
+    setting existed (a resume takes its config from the manifest): ``given``."""
+    v = str(cfg.get("request_order") or "given").strip().lower()
+    if v not in ("shuffled", "given"):
+        raise ReplayError(f"request_order={cfg.get('request_order')!r}: shuffled or given")
+    return v
 
 
 def recorded_orders(manifest: dict, cfg) -> tuple[list[str], dict]:

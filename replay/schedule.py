@@ -6,8 +6,14 @@ seed and then rotated across requests (and shifted by one per repetition), so ov
 6 consecutive requests every arm runs first, second and third equally often and slow drifts of the
 machine fall on every arm alike. Repetitions are the outer loop (all requests, then again).
 
+The requests themselves run in the order given, or (``shuffle_requests``, replay.paired's
+``request_order=shuffled``, the default since session 58) in one drawn from the seed: a selection comes
+sorted by context length, and decoded in that order a drift of the machine over the run reads as a
+dependence on context (session 58's first-arm penalty sat in the longest requests, which were also the
+last).
+
 ``order`` is the global index of a decode in this plan; it is fixed by (requests, arms, reps,
-seed), so a resumed run gives a redone decode the same order it had in the interrupted one.
+seed, shuffle), so a resumed run gives a redone decode the same order it had in the interrupted one.
 """
 from __future__ import annotations
 
@@ -34,13 +40,20 @@ def permutations(arms: list[str] | tuple[str, ...], seed: int) -> list[tuple[str
     return perms
 
 
-def plan(request_ids: list[str], arms: list[str] | tuple[str, ...], reps: int, seed: int) -> list[Decode]:
+def plan(request_ids: list[str], arms: list[str] | tuple[str, ...], reps: int, seed: int,
+         shuffle_requests: bool = False) -> list[Decode]:
+    """The decodes in run order. ``shuffle_requests``: the requests decoded in an order drawn from the seed
+    rather than as given (a selection sorted by context would otherwise make run order, and any drift of
+    the machine along it, indistinguishable from context length)."""
     if reps < 1:
         raise ValueError(f"reps={reps}: at least one repetition is needed")
     if not request_ids:
         raise ValueError("no requests to replay")
     if len(set(request_ids)) != len(request_ids):
         raise ValueError("request ids repeat")
+    if shuffle_requests:
+        request_ids = list(request_ids)
+        random.Random(f"replay-requests:{seed}").shuffle(request_ids)
     perms = permutations(arms, seed)
     out: list[Decode] = []
     for rep in range(reps):

@@ -333,6 +333,39 @@ def test_schedule_balances_arm_positions():
     assert [d.arm for d in other] != [d.arm for d in plan]
 
 
+def test_shuffled_request_order_decouples_run_order_from_context():
+    """request_order=shuffled: the requests (selected in context order, as spread and shortest give them)
+    decode in an order drawn from the seed, the same for the same seed, every request and arm still once per
+    rep and the arms still balanced; given (the negative control, and what a run recorded before the
+    setting replays): run order is context order, so a drift would read as a context effect."""
+    import scipy.stats
+
+    from replay import paired, schedule
+
+    ids = [f"r{i:02d}" for i in range(48)]          # r00 the shortest context ... r47 the longest
+    arms = ["control", "candidate", "aa"]
+    given = schedule.plan(ids, arms, reps=1, seed=0)
+    shuffled = schedule.plan(ids, arms, reps=1, seed=0, shuffle_requests=True)
+
+    def first_seen(plan):
+        return list(dict.fromkeys(d.request_id for d in plan))
+    assert first_seen(given) == ids
+    assert sorted(first_seen(shuffled)) == ids and first_seen(shuffled) != ids
+    assert {d.key for d in shuffled} == {d.key for d in given} and [d.order for d in shuffled] == list(range(144))
+    assert shuffled == schedule.plan(ids, arms, reps=1, seed=0, shuffle_requests=True)      # a resume replans it
+    assert first_seen(schedule.plan(ids, arms, reps=1, seed=1, shuffle_requests=True)) != first_seen(shuffled)
+    for arm, counts in schedule.position_counts(shuffled).items():
+        assert counts == [16, 16, 16], (arm, counts)
+    rank = {r: k for k, r in enumerate(ids)}
+    rho_given = scipy.stats.spearmanr(range(48), [rank[r] for r in first_seen(given)])[0]
+    rho = scipy.stats.spearmanr(range(48), [rank[r] for r in first_seen(shuffled)])[0]
+    assert rho_given == 1.0 and abs(rho) < 0.3, rho
+    assert paired.request_order({}) == "given"                     # a manifest's config without the setting
+    assert paired.request_order({"request_order": "Shuffled"}) == "shuffled"
+    with pytest.raises(paired.ReplayError, match="request_order"):
+        paired.request_order({"request_order": "by_context"})
+
+
 def test_build_order_permutes_the_arms_and_refuses_anything_else():
     from replay import paired
 
