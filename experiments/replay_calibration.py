@@ -273,7 +273,8 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
             if boot else [float("nan")] * 2} for arm, v in est.items()}}
     # the first arm's penalty over every aa run whatever its order (session 58: +0.067 %, se 0.024); the first
     # imported and the first built differ only in runs that set build_order apart (e.g. build_order=random)
-    # (session 58: all of it in the longer contexts, +0.24 % (se 0.06) in the longest quarter, ~0 up to 15K)
+    # (session 58: all of it in the longest quarter, +0.24 % (se 0.06), ~0 up to 15K; those replays ran their
+    # requests in context order, so "longest" was also "last": request_order=shuffled separates the two)
     for how, pen in penalty.items():
         if len(pen) < 2:
             continue
