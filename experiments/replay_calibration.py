@@ -55,6 +55,7 @@ the summary to ``out/replay_calibration.json`` and every interval against its tr
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import math
 import os
@@ -204,12 +205,19 @@ def pooled_offsets(df: pd.DataFrame, n_boot: int = 4000, seed: int = 0) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _per_request(run_dir: Path) -> pd.DataFrame:
+    """A run's per-request log ratios (``analysis.stats``; the floor does not enter them), computed once for
+    the checks that pool them (``request_pools``, ``arm_components``)."""
+    return stats.analyze(rawio.read_run(run_dir), n_boot=100, arm_sd_floor=0.0).per_request
+
+
 def request_pools(run_dirs: list[Path]) -> list[np.ndarray]:
     """Per context rank (0 = each run's shortest request), the per-request A/A-type log TPOT ratios of the
     runs: every run's A/A arm, and the candidate of the aa runs (identical to control)."""
     pools: dict[int, list[float]] = {}
     for d in run_dirs:
-        per = stats.analyze(rawio.read_run(d), n_boot=100, arm_sd_floor=0.0).per_request
+        per = _per_request(d)
         rank = per["context_len"].rank(method="first").astype(int) - 1
         cols = ["aa_tpot", "tpot"] if d.name.startswith("aa-") else ["aa_tpot"]
         for col in cols:
@@ -220,7 +228,10 @@ def request_pools(run_dirs: list[Path]) -> list[np.ndarray]:
 
 def arm_orders(manifest: dict) -> str:
     """How a run imported and built its arms (``analysis.rawio.arm_orders``), as one label."""
-    o = rawio.arm_orders(manifest)
+    return _orders_label(rawio.arm_orders(manifest))
+
+
+def _orders_label(o: dict) -> str:
     return f"import {','.join(o['import'])}; build {','.join(o['build'])}"
 
 
@@ -242,14 +253,13 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
     for d in run_dirs:
         if not d.name.startswith("aa-"):
             continue
-        run = rawio.read_run(d)
-        per = stats.analyze(run, n_boot=100, arm_sd_floor=0.0).per_request.sort_values("context_len")
+        per = _per_request(d).sort_values("context_len")
         x = per[["tpot", "aa_tpot"]].to_numpy()
-        groups.setdefault(arm_orders(run.manifest), []).append(x)
+        o = rawio.arm_orders(rawio.read_manifest(d))
+        groups.setdefault(_orders_label(o), []).append(x)
         parts = [np.arange(len(x))] + list(np.array_split(np.arange(len(x)), 4))
         quarters.append([(int(per["context_len"].iloc[q].min()), int(per["context_len"].iloc[q].max()))
                          for q in parts[1:] if len(q)])
-        o = rawio.arm_orders(run.manifest)
         for how in penalty:
             first, pen = o[how][0], []
             for q in parts:
