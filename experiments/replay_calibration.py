@@ -235,6 +235,18 @@ def _orders_label(o: dict) -> str:
     return f"import {','.join(o['import'])}; build {','.join(o['build'])}"
 
 
+# how arm_components splits each aa run's requests in quarters: by context length, and by the order they were
+# decoded in (the per-request frames' columns)
+SPLITS = {"by_context": "context_len", "by_position": "order"}
+LEVELS = ("control", "candidate", "aa")        # the arms' levels' order in arm_components
+
+
+def _median_ranges(runs: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """The median over runs of each quarter's (low, high) range (runs with four quarters)."""
+    full = [q for q in runs if len(q) == 4]
+    return [tuple(r) for r in np.median(np.array(full), axis=0)] if full else []
+
+
 def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> dict:
     """Which arm carries the run-level offset (``analysis.stats.arm_offset_components``), from the aa runs
     (three arms of the same code), per way the runs imported and built their arms: each arm's offset sd
@@ -244,32 +256,45 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
     to another label when the order changes; one that follows the label stays. Over every aa run, whatever
     its order: how much slower the first-built arm runs than the other two (``first_built_arm``), and the
     first-imported (``first_imported_arm``; the same runs unless some set ``build_order`` apart), over all
-    requests and per quarter of each run's requests by context length (medians of their ranges)."""
+    requests, per quarter of each run's requests by context length (``by_context``: medians of their ranges in
+    tokens) and per quarter by the order they were decoded in (``by_position``: positions, 0 = first); the
+    two tell a cost of long contexts from a drift over the run once the requests run shuffled
+    (``request_order=shuffled``)."""
     groups: dict[str, list[np.ndarray]] = {}
-    # per run: the first arm's log TPOT minus the mean of the other two, over all its requests and per quarter
-    # of them by context length (their contexts' ranges in `quarters`)
+    # per run: the first arm's log TPOT minus the mean of the other two, over all its requests, then per quarter
+    # of them by context length and per quarter by run order (their ranges in `ranges`); with the requests
+    # decoded in context order (request_order=given) the two splits are the same
     penalty: dict[str, list[list[float]]] = {"build": [], "import": []}
-    quarters: list[list[tuple[int, int]]] = []
+    ranges: dict[str, list[list[tuple[int, int]]]] = {k: [] for k in SPLITS}
+    levels: list[np.ndarray] = []     # per run: (parts, arms) log TPOT levels against control
+    firsts: list[list[int]] = []      # per run: the first-built and the first-imported arm (indices in LEVELS)
     for d in run_dirs:
         if not d.name.startswith("aa-"):
             continue
-        per = _per_request(d).sort_values("context_len")
+        per = _per_request(d)
         x = per[["tpot", "aa_tpot"]].to_numpy()
         o = rawio.arm_orders(rawio.read_manifest(d))
         groups.setdefault(_orders_label(o), []).append(x)
-        parts = [np.arange(len(x))] + list(np.array_split(np.arange(len(x)), 4))
-        quarters.append([(int(per["context_len"].iloc[q].min()), int(per["context_len"].iloc[q].max()))
-                         for q in parts[1:] if len(q)])
-        for how in penalty:
-            first, pen = o[how][0], []
-            for q in parts:
-                c, a = np.nanmean(x[q], axis=0) if len(q) else (np.nan, np.nan)
-                level = {"control": 0.0, "candidate": c, "aa": a}
-                pen.append(level[first] - np.mean([v for k, v in level.items() if k != first]))
-            penalty[how].append(pen)
+        parts = [np.arange(len(x))]
+        for key, col in SPLITS.items():
+            by = np.argsort(per[col].to_numpy(), kind="stable")
+            split = [r for r in np.array_split(np.arange(len(x)), 4) if len(r)]
+            parts += [by[r] for r in split]
+            # a context quarter's range in tokens, a run-order quarter's in positions (0 = decoded first)
+            vals = per[col].to_numpy()[by] if col == "context_len" else np.arange(len(x))
+            ranges[key].append([(int(vals[r].min()), int(vals[r].max())) for r in split])
+        # each part's arm levels (log TPOT against control), in LEVELS order
+        lv = np.array([[0.0, *(np.nanmean(x[q], axis=0) if len(q) else (np.nan, np.nan))] for q in parts])
+        levels.append(lv)
+        firsts.append([LEVELS.index(o["build"][0]), LEVELS.index(o["import"][0])])
+        for how, j in (("build", 0), ("import", 1)):
+            f = firsts[-1][j]
+            penalty[how].append(list(lv[:, f] - (lv.sum(axis=1) - lv[:, f]) / 2))
     signed = lambda v: float(math.copysign(math.sqrt(abs(v)), v)) if math.isfinite(v) else v   # noqa: E731
     rng = np.random.default_rng(seed)
     out = {}
+    if len(groups) > 1:     # every order together: what each label carries whatever its position
+        groups["all orders"] = [x for runs in list(groups.values()) for x in runs]
     for orders, runs in groups.items():
         est = stats.arm_offset_components(runs)
         boot = [stats.arm_offset_components([runs[k] for k in rng.integers(0, len(runs), len(runs))])
@@ -290,12 +315,53 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
             continue
         pen = np.array(pen)
         mean, se = np.nanmean(pen, axis=0), np.nanstd(pen, axis=0, ddof=1) / np.sqrt(np.isfinite(pen).sum(axis=0))
-        ctx = np.median(np.array([q for q in quarters if len(q) == 4]), axis=0) if quarters else []
         out[f"first_{'built' if how == 'build' else 'imported'}_arm"] = {
-            "runs": len(pen), "mean": float(mean[0]), "se": float(se[0]),
-            "by_context": [{"contexts": [int(lo), int(hi)], "mean": float(m), "se": float(e)}
-                           for (lo, hi), m, e in zip(ctx, mean[1:], se[1:])]}
+            "runs": len(pen), "mean": float(mean[0]), "se": float(se[0]), **{
+                key: [{"range": [int(lo), int(hi)], "mean": float(m), "se": float(e)}
+                      for (lo, hi), m, e in zip(_median_ranges(ranges[key]), mean[1 + 4 * j:5 + 4 * j],
+                                                se[1 + 4 * j:5 + 4 * j])]
+                for j, key in enumerate(SPLITS)}}
+    if levels:
+        out["first_arm_joint"] = first_arm_joint(np.array(levels), np.array(firsts), n_boot=n_boot, seed=seed)
     return out
+
+
+def first_arm_joint(levels: np.ndarray, firsts: np.ndarray, n_boot: int = 4000, seed: int = 0) -> dict:
+    """The first-built and the first-imported arm's penalties fitted together: within each run (and part of
+    its requests) the arms' levels, centred, regressed on whether each arm was built first and whether it was
+    imported first (each indicator centred too). ``levels``: (runs, parts, 3); ``firsts``: (runs, 2) arm
+    indices (built, imported). A coefficient is the penalty of that position with the other one held: in runs
+    that build in the import order the two are one regressor, so only runs that set ``build_order`` apart
+    tell them apart (``runs_apart``; with none the fit is not identified and reads NaN). Standard errors: a
+    bootstrap over runs. Part 0 is every request; the others follow ``arm_components``' quarters."""
+    runs, parts, n_arms = levels.shape
+    x = np.zeros((runs, n_arms, 2))
+    x[np.arange(runs), firsts[:, 0], 0] = 1.0
+    x[np.arange(runs), firsts[:, 1], 1] = 1.0
+    x -= 1.0 / n_arms
+
+    def fit(idx: np.ndarray) -> np.ndarray:
+        xs = x[idx].reshape(-1, 2)
+        if np.linalg.matrix_rank(xs) < 2:
+            return np.full((parts, 2), np.nan)
+        y = levels[idx] - np.nanmean(levels[idx], axis=2, keepdims=True)      # (runs, parts, arms)
+        out = np.full((parts, 2), np.nan)
+        for p in range(parts):
+            yp = y[:, p, :].reshape(-1)
+            ok = np.isfinite(yp)
+            out[p] = np.linalg.lstsq(xs[ok], yp[ok], rcond=None)[0]
+        return out
+
+    est = fit(np.arange(runs))
+    rng = np.random.default_rng(seed)
+    boot = np.array([fit(rng.integers(0, runs, runs))
+                     for _ in range(n_boot if runs >= 3 and np.isfinite(est).any() else 0)])
+    # (a resample that drew only runs built in the import order is not identified: NaN, left out)
+    se = np.nanstd(boot, axis=0, ddof=1) if boot.size and np.isfinite(boot).sum(axis=0).min() > 1 \
+        else np.full_like(est, np.nan)
+    return {"runs": int(runs), "runs_apart": int((firsts[:, 0] != firsts[:, 1]).sum()),
+            **{name: {"mean": est[:, j].tolist(), "se": se[:, j].tolist()}
+               for j, name in enumerate(("built_first", "imported_first"))}}
 
 
 def resampled_coverage(pools: list[np.ndarray], n: int, seed: int = 0, interval=None) -> dict:
@@ -465,12 +531,29 @@ def main(argv) -> int:
               f"{o['z_rms']:.2f}; pooled arm offset {100 * o['pooled_arm_sd']:.3f} % (95 %: "
               f"{100 * o['pooled_arm_sd_ci'][0]:.3f}-{100 * o['pooled_arm_sd_ci'][1]:.3f})")
     for orders, c in checks["arm_components"].items():
+        if orders == "first_arm_joint":
+            parts = ["all requests"] + [f"{k.replace('by_', '')} quarter {j + 1}" for k in SPLITS for j in range(4)]
+            print(f"{'first arm, joint fit':>28}: {c['runs']} aa runs, {c['runs_apart']} built in another order "
+                  "than imported; " + "; ".join(
+                      f"{part}: built first {100 * c['built_first']['mean'][p]:+.3f} % (se "
+                      f"{100 * c['built_first']['se'][p]:.3f}), imported first {100 * c['imported_first']['mean'][p]:+.3f}"
+                      f" % (se {100 * c['imported_first']['se'][p]:.3f})" for p, part in enumerate(parts)
+                      if p in (0, 4, 8)))
+            continue
         if orders.startswith("first_"):
             print(f"{orders.replace('first_', 'first-').replace('_', ' '):>28}: "
                   f"{100 * c['mean']:+.3f} % (se {100 * c['se']:.3f}) slower than the mean of the other two, over "
                   f"{c['runs']} aa runs; by context quarter: " + ", ".join(
-                      f"{q['contexts'][0] // 1000}K-{q['contexts'][1] // 1000}K {100 * q['mean']:+.3f} % "
-                      f"(se {100 * q['se']:.3f})" for q in c["by_context"]))
+                      f"{q['range'][0] // 1000}K-{q['range'][1] // 1000}K {100 * q['mean']:+.3f} % "
+                      f"(se {100 * q['se']:.3f})" for q in c["by_context"]) + "; by run-order quarter: " + ", ".join(
+                      f"#{q['range'][0]}-{q['range'][1]} {100 * q['mean']:+.3f} % (se {100 * q['se']:.3f})"
+                      for q in c["by_position"]))
+            continue
+        if c["runs"] < 3:      # (runs drawn in random orders spread over up to 36 orders: one or two each)
+            few = sum(1 for k, v in checks["arm_components"].items() if not k.startswith("first_") and v["runs"] < 3)
+            if few and orders == next(k for k, v in checks["arm_components"].items()
+                                      if not k.startswith("first_") and v["runs"] < 3):
+                print(f"{'arm offsets (aa runs)':>28}: {few} more orders with fewer than 3 runs each (in the JSON)")
             continue
         print(f"{'arm offsets (aa runs)':>28}: {c['runs']} runs ({orders}): " + "; ".join(
             f"{arm} {100 * c[arm]['sd']:+.3f} % ({100 * c[arm]['sd_ci'][0]:+.3f} to {100 * c[arm]['sd_ci'][1]:+.3f})"

@@ -299,7 +299,6 @@ def test_calibration_finds_the_penalty_of_the_first_built_arm(tmp_path):
     import json
     import random
 
-    import numpy as np
     import replay_calibration as rc
     from analysis import synthetic
 
@@ -330,9 +329,91 @@ def test_calibration_finds_the_penalty_of_the_first_built_arm(tmp_path):
     assert got["first_imported_arm"]["mean"] == pen["mean"]
     # per quarter of the requests by context (the synthetic penalty is the same at every length)
     assert len(pen["by_context"]) == 4 and all(abs(q["mean"] - b) < 0.5 * b for q in pen["by_context"]), pen
-    assert [q["contexts"][0] < q["contexts"][1] for q in pen["by_context"]] == [True] * 4
+    assert [q["range"][0] < q["range"][1] for q in pen["by_context"]] == [True] * 4
+    assert [q["range"] for q in pen["by_position"]] == [[0, 2], [3, 5], [6, 8], [9, 11]]
     shuffled = record(shuffle=True)["first_built_arm"]
     assert abs(shuffled["mean"]) < 0.5 * b, shuffled
+
+
+def test_calibration_tells_a_drift_over_the_run_from_a_long_context_cost(tmp_path, monkeypatch):
+    """With the requests decoded in a shuffled order, a penalty of the first-built arm that grows over the run
+    (only the last quarter of the decodes) reads in the last quarter by run position and is spread over the
+    context quarters; one that sits in the longest contexts reads the other way round. Each case is the
+    other's negative control: a split that did not follow its column would read both alike."""
+    import json
+
+    import numpy as np
+    import pandas as pd
+    import replay_calibration as rc
+
+    b, n_runs, n_req = 0.01, 24, 32
+    labels = ["control", "candidate", "aa"]
+    rng = np.random.default_rng(5)
+    dirs, frames = [], {}
+
+    def make(kind: str):
+        dirs.clear()
+        frames.clear()
+        for i in range(n_runs):
+            d = tmp_path / kind / f"aa-{i:03d}"
+            d.mkdir(parents=True)
+            order = labels[i % 3:] + labels[:i % 3]
+            (d / "manifest.json").write_text(json.dumps({
+                "config": {"import_order": "random"}, "arms": {a: {} for a in labels}, "run_id": d.name,
+                "arm_orders": {"import": order, "build": order}, **{k: {} for k in rc.rawio.MANIFEST_KEYS
+                                                                   if k not in ("config", "arms", "run_id")}}))
+            ctx = np.sort(rng.integers(1000, 190000, n_req))
+            pos = rng.permutation(n_req)                         # run position of each request (shuffled)
+            hit = (pos >= 3 * n_req // 4) if kind == "drift" else (np.arange(n_req) >= 3 * n_req // 4)
+            x = rng.normal(0, 0.001, (n_req, 2))
+            p = np.where(hit, b, 0.0)
+            if order[0] == "control":
+                x -= p[:, None]
+            else:
+                x[:, 0 if order[0] == "candidate" else 1] += p
+            frames[d] = pd.DataFrame({"context_len": ctx, "order": 3 * pos, "tpot": x[:, 0], "aa_tpot": x[:, 1]},
+                                     index=[f"r{k:02d}" for k in range(n_req)])
+            dirs.append(d)
+        return rc.arm_components(list(dirs), n_boot=20)["first_built_arm"]
+
+    monkeypatch.setattr(rc, "_per_request", lambda d: frames[d])
+    drift = make("drift")
+    assert [q["range"] for q in drift["by_position"]] == [[0, 7], [8, 15], [16, 23], [24, 31]]
+    assert abs(drift["by_position"][3]["mean"] - b) < 0.1 * b, drift
+    assert all(abs(q["mean"]) < 0.1 * b for q in drift["by_position"][:3]), drift
+    assert max(q["mean"] for q in drift["by_context"]) < 0.6 * b, drift       # spread: ~b/4 in each
+    longctx = make("context")
+    assert abs(longctx["by_context"][3]["mean"] - b) < 0.1 * b, longctx
+    assert all(abs(q["mean"]) < 0.1 * b for q in longctx["by_context"][:3]), longctx
+    assert max(q["mean"] for q in longctx["by_position"]) < 0.6 * b, longctx
+    assert longctx["by_context"][3]["range"][0] > longctx["by_context"][0]["range"][1]
+
+
+def test_calibration_joint_fit_tells_the_first_import_from_the_first_build():
+    """Runs whose build order is drawn apart from the import: a penalty b on the first-imported arm reads b on
+    the import and ~0 on the build, and the other way round. Negative control: runs that build in the import
+    order cannot tell the two apart, and the fit says so (NaN) instead of splitting b between them."""
+    import numpy as np
+    import replay_calibration as rc
+
+    b, runs = 0.01, 30
+    rng = np.random.default_rng(3)
+    firsts = np.array([[rng.integers(3), rng.integers(3)] for _ in range(runs)])
+
+    def levels(which: int, firsts: np.ndarray) -> np.ndarray:
+        lv = rng.normal(0, 0.0005, (runs, 2, 3))
+        lv[np.arange(runs), :, firsts[:, which]] += b
+        return lv - lv[:, :, :1]                      # against control, as arm_components gives them
+
+    for which, name, other in ((1, "imported_first", "built_first"), (0, "built_first", "imported_first")):
+        got = rc.first_arm_joint(levels(which, firsts), firsts, n_boot=200)
+        assert got["runs_apart"] == int((firsts[:, 0] != firsts[:, 1]).sum()) > 10
+        assert all(abs(m - b) < 0.1 * b for m in got[name]["mean"]), got
+        assert all(abs(m) < 0.1 * b for m in got[other]["mean"]), got
+        assert all(0 < e < 0.1 * b for e in got[name]["se"]), got
+    same = np.repeat(firsts[:, :1], 2, axis=1)
+    got = rc.first_arm_joint(levels(1, same), same, n_boot=50)
+    assert got["runs_apart"] == 0 and np.isnan(got["built_first"]["mean"]).all(), got
 
 
 def test_calibration_resampled_coverage_checks_the_method_on_the_runs_own_noise():
