@@ -434,3 +434,29 @@ def test_calibration_resampled_coverage_checks_the_method_on_the_runs_own_noise(
         return m - (m - lo) / 2, m + (hi - m) / 2
     bad = rc.resampled_coverage(pools, 300, seed=0, interval=shrunk)
     assert bad["holding_0"] < 0.8, bad
+
+
+def test_import_order_probe_times_three_distinct_copies(tmp_path, monkeypatch):
+    """experiments/import_order_kernels.py --dry-run (CPU interpreter): three copies of the working tree's
+    runtime imported in a drawn order, each copy's attention timed over the same data with equal outputs.
+    The copies must be distinct modules: one module's function timed three times (the broken variant) would
+    compare a copy with itself."""
+    import json
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "IQUESTRT_HOME": str(tmp_path / "home"), "OUT": str(tmp_path / "out")}
+    r = subprocess.run([sys.executable, "experiments/import_order_kernels.py", "--dry-run", "--seed", "3"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads((tmp_path / "out" / "import_order_kernels.json").read_text())
+    assert sorted(got["import_order"]) == ["aa", "candidate", "control"]
+    assert {(t["label"], t["import_position"]) for t in got["table"] if t["context"] == 256} == \
+        {(label, i) for i, label in enumerate(got["import_order"])}
+    assert all(t["outputs_equal"] for t in got["table"]) and len(got["rows"]) == 2 * 2 * 3
+
+    import import_order_kernels as probe
+    monkeypatch.setenv("IQUESTRT_HOME", str(tmp_path / "home"))
+    copies = probe.load_copies(["aa", "control", "candidate"])
+    assert list(copies) == ["aa", "control", "candidate"]
+    assert len({f.__module__ for f in copies.values()}) == 3 and len({id(f) for f in copies.values()}) == 3
