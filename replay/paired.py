@@ -71,6 +71,8 @@ Defaults in conf/paired.yaml; common settings:
                                      since the first ran ~0.07 % slower on the H200; null: control,
                                      candidate, aa; or a list, e.g. [candidate,control,aa])
   build_order=[aa,candidate,control]   build the engines in another order than the import (random too)
+  warm_copy=true                     import, build and run a throwaway copy of control before every
+                                     arm (the first copy's long-context cost falls on no arm)
   request_order=given                decode the requests as selected (spread/shortest: by context);
                                      default shuffled by the seed, so drift is not read as context
   arm_sd_floor=0.002                 widen every candidate interval by at least this arm offset (sd,
@@ -458,7 +460,7 @@ def load_recorded_arms(manifest: dict, repo, cache, order: list[str] | None = No
     out = {}
     cache = Path(cache) if cache else home() / "arms"
     for label in order or armsmod.ARMS:
-        rec = manifest["arms"].get(label)
+        rec = manifest["arms"].get("control" if label == WARM else label)
         if rec is None:
             continue
         root = cache / rec["key"]
@@ -547,9 +549,10 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         print(f"note: {e}; taking arms from the prepared cache (python -m replay.arms prepare)")
         repo = None
     cache = Path(cfg["arms_cache"]).expanduser() if cfg.get("arms_cache") else None
+    warm = [WARM] if warm_copy(cfg) else []     # (imported, built and run before every arm)
     if manifest0 is not None:
         order, cfg_build = recorded_orders(manifest0, cfg)
-        arms = load_recorded_arms(manifest0, repo, cache, order=order)
+        arms = load_recorded_arms(manifest0, repo, cache, order=warm + order)
     else:
         revs = {"control": str(cfg["control"]["rev"]), "candidate": str(cfg["candidate"]["rev"])}
         if cfg.get("aa", True):
@@ -557,15 +560,22 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
         overrides = {"control": {"runtime": cfg["control"].get("runtime") or {}},
                      "candidate": {"runtime": cfg["candidate"].get("runtime") or {}},
                      "aa": {"runtime": cfg["control"].get("runtime") or {}}}
-        arms = armsmod.load_arms(repo, revs, overrides, cache,
-                                 order=arm_order(cfg, "import_order", [a for a in armsmod.ARMS if a in revs]))
+        if warm:
+            revs[WARM], overrides[WARM] = revs["control"], overrides["control"]
+        arms = armsmod.load_arms(repo, revs, overrides, cache, order=warm + arm_order(
+            cfg, "import_order", [a for a in armsmod.ARMS if a in revs]))
         cfg_build = cfg
+    warm_arm = arms.pop(WARM, None)
     threads = cfg.get("torch_threads", "auto")
     if threads == "auto":
         threads = 1 if not torch.cuda.is_available() else None
     if threads:
         torch.set_num_threads(int(threads))
     weights = armsmod.WeightCache()
+    if warm_arm is not None:
+        armsmod.build(warm_arm, model_name(cfg), cfg.get("runtime") or {}, weights, cfg.get("checkpoint"),
+                      int(cfg.get("random_seed") or 0))
+        print(f"warm copy: {warm_arm.describe()} (module {warm_arm.module}) imported and built before every arm")
     built = build_order(cfg_build, arms)
     orders = {"import": list(arms), "build": [arm.label for arm in built]}
     print(f"arm order: imported {', '.join(orders['import'])}; built {', '.join(orders['build'])}")
@@ -597,6 +607,18 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
     seed = cfg.get("request_seed")
     print(f"{len(reqs)} requests of {trace['name']} (context {min(r.n_tokens for r in reqs):,}.."
           f"{max(r.n_tokens for r in reqs):,} tokens), budget {budget}, {cfg['reps']} rep(s)")
+
+    if warm_arm is not None:     # its first decode before any arm's; then its engine goes, its modules stay
+        shortest = min(reqs, key=lambda r: r.n_tokens)
+        rnd, st = restorer(warm_arm, dirs[shortest.request_id], budget, seed)()
+        warm_arm.engine.decode(rnd, st)
+        del rnd, st
+        warm_arm.engine = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print(f"warm copy: {warm_arm.describe()} decoded {shortest.request_id} before every arm; its engine "
+              "dropped, its modules kept")
 
     # fingerprints (before anything is recorded: a refusal leaves no run behind)
     if manifest0 is not None:
@@ -696,6 +718,20 @@ def request_order(cfg) -> str:
     if v not in ("shuffled", "given"):
         raise ReplayError(f"request_order={cfg.get('request_order')!r}: shuffled or given")
     return v
+
+
+WARM = "warm"     # the label of warm_copy's throwaway copy of the control
+
+
+def warm_copy(cfg) -> bool:
+    """``warm_copy``: a throwaway copy of the control's runtime imported, built and decoding (the shortest
+    request) before every arm, then its engine dropped, so that whatever the process's first copy pays
+    falls on none of the measured arms (the arm imported first ran +0.2 % slower in requests of 47K-190K
+    on the H200, session 59; experiments/notes/placement.md). Off by default until measured."""
+    v = cfg.get("warm_copy", False)
+    if v in (None, False, True):
+        return bool(v)
+    raise ReplayError(f"warm_copy={v!r}: true or false")
 
 
 def recorded_orders(manifest: dict, cfg) -> tuple[list[str], dict]:

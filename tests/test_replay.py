@@ -224,7 +224,8 @@ def test_reformat_only_is_refused_as_ineffective(env):
 def test_resume_after_interruption_matches_uninterrupted_run(env):
     args = ["control=main", "candidate=main", "candidate.runtime.draft.policy=fixed", "reps=2"]
     a, b = env["root"] / "run-interrupted", env["root"] / "run-straight"
-    p = replay(env, *args, f"RUN_DIR={a}", "debug_interrupt_after=5")
+    # (this run with warm_copy, the straight one without: the throwaway copy changes no token)
+    p = replay(env, *args, f"RUN_DIR={a}", "debug_interrupt_after=5", "warm_copy=true")
     assert p.returncode == 130, p.out
     assert manifest(a)["status"] == "interrupted"
     assert len(requests_table(a)) == 5
@@ -232,11 +233,13 @@ def test_resume_after_interruption_matches_uninterrupted_run(env):
     p = replay(env, "resume=true", f"RUN_DIR={a}")
     assert p.returncode == 0, p.out
     assert "5 already complete" in p.out
+    assert "warm copy: warm = main" in p.out and set(manifest(a)["arms"]) == {"control", "candidate", "aa"}
     o = manifest(a)["arm_orders"]       # the resumed run imports and builds its arms as the first part did
     assert f"arm order: imported {', '.join(o['import'])}; built {', '.join(o['build'])}" in p.out, p.out
     assert manifest(a)["status"] == "complete"
     p = replay(env, *args, f"RUN_DIR={b}")
     assert p.returncode == 0, p.out
+    assert "warm copy" not in p.out
     cols = ["request_id", "arm", "rep", "order", "n_steps", "n_tokens", "tokens_sha"]
     ta, tb = requests_table(a)[cols], requests_table(b)[cols]
     assert len(ta) == 2 * 3 * 2
@@ -426,6 +429,40 @@ def test_random_arm_orders_are_drawn_per_run_and_a_resume_keeps_the_recorded_one
     order, cfg = paired.recorded_orders(legacy, {"x": 1})
     assert order == ["candidate", "control", "aa"] and cfg == {"x": 1, "build_order": order}
     assert paired.recorded_orders({"arms": arms, "config": {}}, {})[0] == labels
+
+
+def test_warm_copy_is_imported_built_and_run_before_every_arm(env, monkeypatch):
+    """``warm_copy=true``: a throwaway copy of the control is imported first (here: the import calls in
+    order), its engine built before every arm's and its decode run before the first fingerprint, and it is
+    not an arm of the run (manifest, orders). A value other than true / false is refused."""
+    from replay import arms as armsmod
+    from replay import paired
+
+    assert paired.warm_copy({}) is False and paired.warm_copy({"warm_copy": True}) is True
+    with pytest.raises(paired.ReplayError, match="warm_copy"):
+        paired.warm_copy({"warm_copy": "maybe"})
+    imported = []
+    monkeypatch.setattr(armsmod, "resolve", lambda repo, rev, cache, dirty_ok=False: armsmod.Revision(
+        rev=rev, sha="0" * 40, key="0" * 40, root=Path("/nonexistent")))
+    monkeypatch.setattr(armsmod, "import_runtime", lambda label, r: (imported.append(label) or (f"m_{label}", None)))
+    revs = {"control": "main", "candidate": "b", "aa": "main", paired.WARM: "main"}
+    armsmod.load_arms(Path("."), revs, {}, order=[paired.WARM, "aa", "control", "candidate"])
+    assert imported == ["warm", "aa", "control", "candidate"]
+
+    run_dir = env["root"] / "run-warm"
+    p = replay(env, "control=main", "candidate=main", "allow_identical=true", "warm_copy=true", f"RUN_DIR={run_dir}")
+    assert p.returncode == 0, p.out
+    lines = p.out.splitlines()
+    warm = [i for i, x in enumerate(lines) if x.startswith("warm copy: warm = main")]
+    built = [i for i, x in enumerate(lines) if re.match(r"(control|candidate|aa) = main @ \S+: module", x)]
+    fp = [i for i, x in enumerate(lines) if x.startswith("candidate vs control")]
+    assert len(warm) == 2 and len(built) == 3 and fp, p.out
+    assert warm[0] < built[0] and warm[1] < fp[0], p.out     # built before the arms, run before the fingerprints
+    assert "module iquestrt_arm_warm_" in lines[warm[0]]
+    m = manifest(run_dir)
+    assert m["status"] == "complete" and m["config"]["warm_copy"] is True
+    assert set(m["arms"]) == {"control", "candidate", "aa"} and sorted(m["arm_orders"]["import"]) == \
+        ["aa", "candidate", "control"]
 
 
 def test_arm_sd_floor_auto_follows_the_device_and_refuses_nonsense():
