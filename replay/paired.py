@@ -602,7 +602,8 @@ def _run(cfg: dict, args: list[str], run_dir: Path, argv_display: list[str]) -> 
     for n in notes:
         print(f"note: {n}")
     budget = int(cfg["max_new_tokens"])
-    dirs = ensure_snapshots(cfg, control, trace, reqs, progress)
+    # (missing snapshots are captured by the warm copy where there is one: it runs before every arm)
+    dirs = ensure_snapshots(cfg, warm_arm.engine if warm_arm is not None else control, trace, reqs, progress)
     snap_hashes = check_snapshots(arms, dirs, bool(cfg["snapshots"].get("require_qualified", False)))
     seed = cfg.get("request_seed")
     print(f"{len(reqs)} requests of {trace['name']} (context {min(r.n_tokens for r in reqs):,}.."
@@ -749,7 +750,8 @@ def recorded_orders(manifest: dict, cfg) -> tuple[list[str], dict]:
 GPU_ARM_SD_FLOOR = 0.0017   # arm_sd_floor=auto on a GPU: the candidate contrasts' pooled arm offset over 27 A/A
                             # replays on the H200 (session 57, experiments/notes/placement.md); 45 replays in
                             # session 58 read 0.164 % (0.102-0.211), and its 18 new ones, recorded with this
-                            # floor, held 0 in 18 of 18; analysis.stats
+                            # floor, held 0 in 18 of 18; session 59's 20 with random arm orders read 0.061 %
+                            # (0-0.129) and held 0 in 20 of 20: conservative there, kept; analysis.stats
 
 
 def arm_sd_floor(cfg: dict, cuda: bool) -> float:
