@@ -290,8 +290,9 @@ def arm_offset_blocks(a: Analysis) -> list[tuple]:
 
 
 def arm_order_blocks(m: dict) -> list[tuple]:
-    """How the run imported and built its arms, and what that means for its offsets (session 58: on the H200
-    the first-built arm ran ~0.07 % slower than the other two)."""
+    """How the run imported and built its arms, and what that means for its offsets (sessions 58-59: on the
+    H200 the arm imported first ran ~0.2 % slower than the other two in requests of 47K-190K context, ~0.05 %
+    over all; the build order does not matter), and whether a warm copy ran before them (``warm_copy``)."""
     try:
         o = rawio.arm_orders(m)
     except rawio.RunDataError as e:
@@ -303,8 +304,12 @@ def arm_order_blocks(m: dict) -> list[tuple]:
            "(import_order=random)")
     order = (f"imported and first built {', '.join(o['import'])}" if o["build"] == o["import"] else
              f"imported {', '.join(o['import'])}, first built {', '.join(o['build'])}")
-    return [("p", f"Arm order: {order}. The arm built first "
-                  f"ran about 0.07 % slower than the other two on the H200 (session 58); this order was {how}.")]
+    warm = bool((m.get("config") or {}).get("warm_copy"))
+    first = ("A warm copy of the control was imported, built and run before every arm (warm_copy), so none "
+             "of them was the process's first copy" if warm else
+             "The arm imported first ran about 0.2 % slower than the other two in requests of 47K-190K context "
+             "on the H200 (sessions 58-59)")
+    return [("p", f"Arm order: {order}. {first}; this order was {how}.")]
 
 
 def build_blocks(run: rawio.RunData, a: Analysis, v: verdict.Verdict,

@@ -113,6 +113,11 @@ def test_report_says_how_the_arms_were_ordered():
     assert "fixed, not drawn" in text
     (kind, text), = report.arm_order_blocks({**m, "config": {"import_order": "aa,aa,control"}})
     assert text.startswith("Arm order: unknown")
+    # a warm copy ran first: said, and only then
+    assert "imported first ran about 0.2 % slower" in report.arm_order_blocks(m)[0][1]
+    (kind, text), = report.arm_order_blocks({**m, "config": {**m["config"], "warm_copy": True}})
+    assert "A warm copy of the control was imported, built and run before every arm" in text
+    assert "slower" not in text
 
 
 def test_report_cli_subprocess_and_help(run_dir, tmp_path, capsys):
