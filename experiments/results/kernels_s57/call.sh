@@ -38,7 +38,7 @@ for s in ${STEPS:-bench step paired}; do
     pkern) OUT=$c/pkern PYTHONUNBUFFERED=1 timeout ${PKTIMEOUT:-200} python3 experiments/placement_kernels.py ${PKARGS:-} \
             > "$c/pkern.log" 2>&1 ;;
     iprobe) export IQUESTRT_HOME=/tmp/iq    # session 59's probe: each imported copy's attention on shared data
-            for r in ${IPRUNS:-1 2 3}; do OUT=$c/iprobe/r$r PYTHONUNBUFFERED=1 timeout ${IPTIMEOUT:-150} \
+            for r in ${IPRUNS:-1 2 3}; do OUT=$c/iprobe/r$r PYTHONUNBUFFERED=1 timeout ${IPTIMEOUT:-90} \
               python3 experiments/import_order_kernels.py ${IPARGS:-} >> "$c/iprobe.log" 2>&1; done ;;
     calib) export IQUESTRT_HOME=/tmp/iq
             PYTHONUNBUFFERED=1 timeout ${CTIMEOUT:-580} python3 experiments/replay_calibration.py revision=WORKTREE out=$c/calib \
