@@ -278,11 +278,11 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
         parts = [np.arange(len(x))]
         for key, col in SPLITS.items():
             by = np.argsort(per[col].to_numpy(), kind="stable")
-            split = [r for r in np.array_split(np.arange(len(x)), 4) if len(r)]
+            split = np.array_split(np.arange(len(x)), 4)     # (an empty quarter, under 4 requests: NaN levels)
             parts += [by[r] for r in split]
             # a context quarter's range in tokens, a run-order quarter's in positions (0 = decoded first)
             vals = per[col].to_numpy()[by] if col == "context_len" else np.arange(len(x))
-            ranges[key].append([(int(vals[r].min()), int(vals[r].max())) for r in split])
+            ranges[key].append([(int(vals[r].min()), int(vals[r].max())) for r in split if len(r)])
         # each part's arm levels (log TPOT against control), in LEVELS order
         lv = np.array([[0.0, *(np.nanmean(x[q], axis=0) if len(q) else (np.nan, np.nan))] for q in parts])
         levels.append(lv)
