@@ -530,6 +530,10 @@ def main(argv) -> int:
         print(f"{kind + ' intervals':>28}: {o['holding_0']} of {o['n']} hold 0 (before widening), z rms "
               f"{o['z_rms']:.2f}; pooled arm offset {100 * o['pooled_arm_sd']:.3f} % (95 %: "
               f"{100 * o['pooled_arm_sd_ci'][0]:.3f}-{100 * o['pooled_arm_sd_ci'][1]:.3f})")
+    # (runs drawn in random orders spread over up to 36 orders, one or two each: those are counted, not printed)
+    few = sum(1 for k, v in checks["arm_components"].items() if not k.startswith("first_") and v["runs"] < 3)
+    if few:
+        print(f"{'arm offsets (aa runs)':>28}: {few} orders with fewer than 3 runs each (in the JSON)")
     for orders, c in checks["arm_components"].items():
         if orders == "first_arm_joint":
             parts = ["all requests"] + [f"{k.replace('by_', '')} quarter {j + 1}" for k in SPLITS for j in range(4)]
@@ -549,11 +553,7 @@ def main(argv) -> int:
                       f"#{q['range'][0]}-{q['range'][1]} {100 * q['mean']:+.3f} % (se {100 * q['se']:.3f})"
                       for q in c["by_position"]))
             continue
-        if c["runs"] < 3:      # (runs drawn in random orders spread over up to 36 orders: one or two each)
-            few = sum(1 for k, v in checks["arm_components"].items() if not k.startswith("first_") and v["runs"] < 3)
-            if few and orders == next(k for k, v in checks["arm_components"].items()
-                                      if not k.startswith("first_") and v["runs"] < 3):
-                print(f"{'arm offsets (aa runs)':>28}: {few} more orders with fewer than 3 runs each (in the JSON)")
+        if c["runs"] < 3:
             continue
         print(f"{'arm offsets (aa runs)':>28}: {c['runs']} runs ({orders}): " + "; ".join(
             f"{arm} {100 * c[arm]['sd']:+.3f} % ({100 * c[arm]['sd_ci'][0]:+.3f} to {100 * c[arm]['sd_ci'][1]:+.3f})"
