@@ -7,12 +7,12 @@ data: three copies of ``runtime`` are imported as the replay imports its arms (`
 tree, labels control / candidate / aa, in a random order), and each copy's ``decode_attention_full`` is
 captured in a CUDA graph of ``--calls`` calls over ONE shared KV cache, q and output. The copies are
 called first in their import order (as the fingerprints do), then timed in rounds, each round replaying
-every copy's graph in a fresh random order. Per context: each copy's time over the mean of the three,
+every copy's graph in a fresh random order (``_bench.replay_paired``). Per context: each copy's time over the mean of the three,
 mean and standard error over rounds, with the copy's import position. The same data and launch
 arguments, so a difference can only come from the copy itself (its compiled module, where it was
 loaded, its launch path); the two later copies are each other's A/A.
 
-    OUT=... python3 experiments/import_order_kernels.py --contexts 4096,65536,190000 --rounds 40
+    OUT=... python3 experiments/import_order_kernels.py --contexts 4096,65536,190000 --rounds 200
     python experiments/import_order_kernels.py --dry-run       # CPU interpreter, toy shapes: checks the script
 
 Writes ``$OUT/import_order_kernels.json`` (every round's times) and prints a table per context.
@@ -26,7 +26,7 @@ import random
 import statistics
 from pathlib import Path
 
-from _bench import CUDA, DEV, DRY_RUN, capture_graph, write_results  # noqa: I001  (first: --dry-run)
+from _bench import CUDA, DEV, DRY_RUN, replay_paired, write_results  # noqa: I001  (first: --dry-run)
 
 import torch
 
@@ -44,10 +44,9 @@ def load_copies(order: list[str]) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="4096,65536,190000", help="valid keys per call")
-    ap.add_argument("--rounds", type=int, default=40, help="timing rounds (each copy once per round)")
+    ap.add_argument("--rounds", type=int, default=200, help="timing rounds (each copy's graph once per round)")
     ap.add_argument("--rows", type=int, default=6, help="live rows (q1-mini: 6 heads, 1 KV head, d = 64)")
     ap.add_argument("--calls", type=int, default=16, help="calls per graph")
-    ap.add_argument("--reps", type=int, default=5, help="graph replays per timing")
     ap.add_argument("--seed", type=int, default=None, help="the import order's draw (default: fresh)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, toy shapes: checks the script")
     a = ap.parse_args()
@@ -56,7 +55,7 @@ def main() -> None:
     copies = load_copies(order)
     print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}; imported {', '.join(order)}", flush=True)
     contexts = [256, 600] if DRY_RUN else [int(c) for c in a.contexts.split(",")]
-    rounds, calls_n, reps = (2, 1, 1) if DRY_RUN else (a.rounds, a.calls, a.reps)
+    rounds, calls_n = (2, 1) if DRY_RUN else (a.rounds, a.calls)
     nh, nkv, d, w = 6, 1, 64, a.rows
     rows, table = [], []
     for n in contexts:
@@ -72,22 +71,10 @@ def main() -> None:
             calls[label]()
         ref = outs[order[0]]
         same = all(torch.equal(outs[label], ref) for label in order)
-        graphs = {label: capture_graph([calls[label]] * calls_n) if CUDA else None for label in order}
-        t = {label: [] for label in order}
-        for r in range(rounds):
-            for label in rng.sample(order, len(order)):
-                if not CUDA:
-                    t[label].append(1.0)
-                    continue
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                graphs[label].replay()              # (one untimed replay: the copies alternate)
-                e0.record()
-                for _ in range(reps):
-                    graphs[label].replay()
-                e1.record()
-                e1.synchronize()
-                t[label].append(e0.elapsed_time(e1) * 1e3 / (reps * calls_n))
-        del graphs
+        # one graph per copy, replayed once per round in a fresh order (_bench's paired rounds); the dry run
+        # times nothing (every round 1 us)
+        t = replay_paired({label: [calls[label]] * calls_n for label in order}, rounds, f"{n} keys") or \
+            {label: [1.0] * rounds for label in order}
         for r in range(rounds):
             mean = statistics.fmean(t[label][r] for label in order)
             for label in order:
