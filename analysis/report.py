@@ -290,9 +290,10 @@ def arm_offset_blocks(a: Analysis) -> list[tuple]:
 
 
 def arm_order_blocks(m: dict) -> list[tuple]:
-    """How the run imported and built its arms, and what that means for its offsets (sessions 58-59: on the
+    """How the run imported and built its arms, and what that means for its offsets (sessions 58-60: on the
     H200 the arm imported first ran ~0.2 % slower than the other two in requests of 47K-190K context, ~0.05 %
-    over all; the build order does not matter), and whether a warm copy ran before them (``warm_copy``)."""
+    over all, the arm imported second ~0.08 % faster; the build order does not matter), and whether a warm
+    copy ran before them (``warm_copy``)."""
     try:
         o = rawio.arm_orders(m)
     except rawio.RunDataError as e:
@@ -308,7 +309,7 @@ def arm_order_blocks(m: dict) -> list[tuple]:
     first = ("A warm copy of the control was imported, built and run before every arm (warm_copy), so none "
              "of them was the process's first copy" if warm else
              "The arm imported first ran about 0.2 % slower than the other two in requests of 47K-190K context "
-             "on the H200 (sessions 58-59)")
+             "on the H200, and the arm imported second about 0.08 % faster over all (sessions 58-60)")
     return [("p", f"Arm order: {order}. {first}; this order was {how}.")]
 
 

@@ -158,16 +158,56 @@ def write_results(name: str, payload: dict, rows: list[dict]) -> str | None:
     return out
 
 
-def paired_rounds(graphs: dict, rounds: int, calls_per_graph: int) -> dict:
-    """Replay every graph once per round, in a fresh (seeded) random order each round, and return
+LEAD_US = 200.0            # a spin kernel at the head of every round (paired_rounds): the host enqueues behind it
+SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep's unit: SM clock cycles (the H200's ~1.98 GHz; slower clocks spin longer)
+
+
+def round_orders(names, rounds: int, seed: int = 0) -> list[list]:
+    """The replay order of each of ``rounds`` rounds: per block of ``len(names)`` rounds one permutation
+    drawn from the seed, rotated by one place each round, so that within every block each config runs
+    first, second, ... exactly once (over any number of rounds the counts per place differ by at most
+    one), while the fresh permutation of each block lets every config follow every other. Session 60
+    found the earlier orders (an independent seeded shuffle per round) put the first config first in 74
+    of 200 rounds, the others in 65 and 61."""
+    names = list(names)
+    rng = random.Random(f"paired-rounds:{seed}")
+    out: list[list] = []
+    while len(out) < rounds:
+        p = rng.sample(names, len(names))
+        out.extend(p[j:] + p[:j] for j in range(len(p)))
+    return out[:rounds]
+
+
+def place_spread(orders: list[list]) -> int:
+    """The largest difference, over places in a round, between how often two configs ran there (0 or 1
+    for ``round_orders``; a check of any schedule's balance)."""
+    names = sorted({n for o in orders for n in o}, key=str)
+    counts = {n: [0] * len(names) for n in names}
+    for o in orders:
+        for i, n in enumerate(o):
+            counts[n][i] += 1
+    return max(max(c[i] for c in counts.values()) - min(c[i] for c in counts.values()) for i in range(len(names)))
+
+
+def paired_rounds(graphs: dict, rounds: int, calls_per_graph: int, lead_us: float = LEAD_US,
+                  orders_out: list | None = None) -> dict:
+    """Replay every graph once per round, in the order ``round_orders`` gives, and return
     {name: [microseconds per call, one per round]}. With a fixed rotation each graph always followed
     the same one, and the after-effects of one replay (dirty L2 lines written back) fell on one config
-    (session 16); shuffled, every graph follows every other about equally often."""
+    (session 16); rotated permutations drawn afresh every block let every graph follow every other,
+    and every config takes every place equally often.
+
+    Each round starts with a spin kernel of ``lead_us`` (``torch.cuda._sleep``): the host enqueues the
+    round's events and replays while the GPU spins, so every graph starts right behind the previous
+    kernel. Without it (``lead_us=0``) the round's first replay started on an idle GPU and its time
+    included the host's launch: +3-7 % at 4K-190K attention (session 60, ``import_order_kernels.py``).
+    ``orders_out``, when given, receives each round's order."""
     names = list(graphs)
     times = {n: [] for n in names}
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in names]
-    for r in range(rounds):
-        order = random.Random(r).sample(names, len(names))
+    for order in round_orders(names, rounds):
+        if lead_us > 0:
+            torch.cuda._sleep(int(lead_us * SPIN_CYCLES_PER_US))
         for (e0, e1), n in zip(ev, order):
             e0.record()
             graphs[n].replay()
@@ -175,6 +215,8 @@ def paired_rounds(graphs: dict, rounds: int, calls_per_graph: int) -> dict:
         torch.cuda.synchronize()
         for (e0, e1), n in zip(ev, order):
             times[n].append(e0.elapsed_time(e1) * 1e3 / calls_per_graph)
+        if orders_out is not None:
+            orders_out.append(list(order))
     return times
 
 
@@ -186,17 +228,18 @@ def paired_stats(times: list, base: list) -> dict:
                 ratio_p10=ratios[len(ratios) // 10], ratio_p90=ratios[(9 * len(ratios)) // 10])
 
 
-def replay_paired(calls: dict, rounds: int, shape: str) -> dict | None:
+def replay_paired(calls: dict, rounds: int, shape: str, lead_us: float = LEAD_US,
+                  orders_out: list | None = None) -> dict | None:
     """{config: [calls]} -> {config: [microseconds per call, one per round]}: one graph per config,
-    replayed by ``paired_rounds``. With --dry-run: each config's first call once on the CPU, a line
-    saying so, and None."""
+    replayed by ``paired_rounds`` (which takes ``lead_us`` and ``orders_out``). With --dry-run: each
+    config's first call once on the CPU, a line saying so, and None."""
     if DRY_RUN:
         for c in calls.values():
             c[0]()
         print(f"{shape}: dry run of {len(calls)} configs", flush=True)
         return None
     graphs = {n: capture_graph(c) for n, c in calls.items()}
-    times = paired_rounds(graphs, rounds, len(next(iter(calls.values()))))
+    times = paired_rounds(graphs, rounds, len(next(iter(calls.values()))), lead_us, orders_out)
     del graphs
     return times
 

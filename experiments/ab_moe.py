@@ -5,7 +5,7 @@
 
 Each config gets one CUDA graph holding one call per rotating weight set (3 x 576 MiB of q1-shard
 expert weights, far beyond L2, exactly as ``bench_kernels.py`` times the MoE); every round replays
-every config's graph once, in a fresh (seeded) random order (``_bench.paired_rounds``). A config
+every config's graph once, in a balanced seeded order behind a spin kernel (``_bench.paired_rounds``). A config
 named ``down:NAME`` times only the Down launch of NAME's plan (its Gate/Up run once beforehand to fill
 the activations), like the breakdown rows of ``bench_kernels.py``. Per shape and config it prints the
 median time per call, the fraction of the copy bandwidth (whole MoE: weights of the distinct experts
@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import DEV, copy_bandwidth, paired_row, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
+from _bench import DEV, SPIN_CYCLES_PER_US, copy_bandwidth, paired_row, replay_paired, write_results  # noqa: E402  (first: --dry-run must precede triton)
 
 import torch  # noqa: E402
 
@@ -96,7 +96,6 @@ CONFIGS = {
 }
 _PROBE_KEYS = {"_sleep_us", "_prefetch_mib", "_warm_mib", "_warm_other", "_no_moe", "_k_first"}
 
-SPIN_CYCLES_PER_US = 1980   # torch.cuda._sleep's unit: SM clock cycles (the H200's ~1.98 GHz)
 
 
 def _chunks(ids, w13, budget, k_first):

@@ -9,7 +9,7 @@ every launch adding into one residual, so each waits for the one before (program
 in the step); even launches also write the FP16 copy (the post-attention norm's form in the step).
 The exchange is rank emulation's (``PeerExchange.emulated``: the peers' buffers static zeros, so
 every launch does a real rank's loads without waiting), exactly what ``bench_step --ab peer_fused``
-runs. Every round replays every config's graph once in a fresh order (``_bench.paired_rounds``).
+runs. Every round replays every config's graph once in a balanced seeded order (``_bench.paired_rounds``).
 
 Per config: the median time per launch and, against the first config, the median per-round ratio
 with its 10-90 % range. ``norm`` is ``fused_add_rmsnorm`` (what a rank runs where NCCL has already

@@ -12,6 +12,11 @@ mean and standard error over rounds, with the copy's import position. The same d
 arguments, so a difference can only come from the copy itself (its compiled module, where it was
 loaded, its launch path); the two later copies are each other's A/A.
 
+``--warm import`` imports a fourth, throwaway copy (label ``warm``) before the three and never calls it;
+``--warm call`` also calls its attention once per context before the three's first calls (what the
+replay's ``warm_copy=true`` does for every kernel of a decode). The warm copy is never timed: the question
+is whether the three are then equal (session 60).
+
     OUT=... python3 experiments/import_order_kernels.py --contexts 4096,65536,190000 --rounds 200
     python experiments/import_order_kernels.py --dry-run       # CPU interpreter, toy shapes: checks the script
 
@@ -21,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import random
 import statistics
 from pathlib import Path
 
-from _bench import CUDA, DEV, DRY_RUN, replay_paired, write_results  # noqa: I001  (first: --dry-run)
+from _bench import CUDA, DEV, DRY_RUN, LEAD_US, replay_paired, round_orders, write_results  # noqa: I001  (first: --dry-run)
 
 import torch
 
@@ -41,21 +47,95 @@ def load_copies(order: list[str]) -> dict[str, object]:
             for label, arm in loaded.items()}
 
 
+def copy_effects(rows: list[dict], labels: list[str]) -> list[dict]:
+    """Per copy (of one context's ``rows``: round, label, us, place): its time over the mean of the
+    copies in the same round, mean and standard error over rounds; the same over the rounds in which it
+    did not run first, against the mean of the copies that did not run first either (the first replay of
+    a round is where a missing lead kernel shows: ``rel_later_pct``); and how much slower it ran first in
+    its round than later (``first_in_round_pct``, medians)."""
+    by_round: dict[int, dict[str, dict]] = {}
+    for x in rows:
+        by_round.setdefault(x["round"], {})[x["label"]] = x
+    out = []
+    for label in labels:
+        rel, rel_later, first, later = [], [], [], []
+        for rr in by_round.values():
+            mean = statistics.fmean(rr[lb]["us"] for lb in labels)
+            x = rr[label]
+            rel.append(x["us"] / mean - 1)
+            (first if x["place"] == 0 else later).append(x["us"])
+            if x["place"] != 0:
+                rel_later.append(x["us"] / statistics.fmean(rr[lb]["us"] for lb in labels if rr[lb]["place"]) - 1)
+
+        def m_se(v):
+            return (100 * statistics.fmean(v) if v else float("nan"),
+                    100 * statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else float("nan"))
+        out.append({"label": label, "rel_pct": m_se(rel)[0], "se_pct": m_se(rel)[1],
+                    "rel_later_pct": m_se(rel_later)[0], "se_later_pct": m_se(rel_later)[1],
+                    "first_in_round_pct": 100 * (statistics.median(first) / statistics.median(later) - 1)
+                    if first and later else float("nan"),
+                    "median_us": statistics.median(x["us"] for x in rows if x["label"] == label)})
+    return out
+
+
+def old_place(import_order: list[str], r: int, label: str) -> int:
+    """The place in round ``r`` a copy had before session 60: ``_bench.paired_rounds`` then drew each
+    round's order as ``random.Random(r).sample(names, len(names))`` with the graphs in import order."""
+    return random.Random(r).sample(import_order, len(import_order)).index(label)
+
+
+def analyse(path: Path) -> None:
+    """The printed table of a saved run, through ``copy_effects``."""
+    payload = json.loads(path.read_text())
+    order = [x for x in payload["import_order"] if x != "warm"]
+    rows = payload["rows"]
+    for x in rows:
+        if "place" not in x:
+            x["place"] = old_place(order, x["round"], x["label"])
+    for n in sorted({x["context"] for x in rows}):
+        for e in copy_effects([x for x in rows if x["context"] == n], order):
+            print(f"{n:>7} {e['label']:>9} (imported #{order.index(e['label']) + 1}): median {e['median_us']:8.3f} us, "
+                  f"all rounds {e['rel_pct']:+.3f} % (se {e['se_pct']:.3f}), not first in round (against the others not first) "
+                  f"{e['rel_later_pct']:+.3f} % (se {e['se_later_pct']:.3f}); first in round "
+                  f"{e['first_in_round_pct']:+.2f} %")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="4096,65536,190000", help="valid keys per call")
-    ap.add_argument("--rounds", type=int, default=200, help="timing rounds (each copy's graph once per round)")
+    ap.add_argument("--rounds", type=int, default=201, help="timing rounds (each copy's graph once per round)")
     ap.add_argument("--rows", type=int, default=6, help="live rows (q1-mini: 6 heads, 1 KV head, d = 64)")
     ap.add_argument("--calls", type=int, default=16, help="calls per graph")
-    ap.add_argument("--seed", type=int, default=None, help="the import order's draw (default: fresh)")
+    ap.add_argument("--seed", type=int, default=None, help="the import, call and capture orders' draw (default: fresh)")
+    ap.add_argument("--warm", choices=("none", "import", "call"), default="none",
+                    help="a throwaway copy imported first: never called (import) or called once per context first (call)")
+    ap.add_argument("--call-order", choices=("import", "random"), default="import",
+                    help="the copies' first calls (where Triton loads each copy's kernel): in import order, as the "
+                         "replay's fingerprints make them, or in an order of their own")
+    ap.add_argument("--capture-order", choices=("import", "random"), default="random",
+                    help="the order in which the copies' graphs are captured")
+    ap.add_argument("--lead-us", type=float, default=LEAD_US,
+                    help="the spin kernel at the head of every timing round (0: none, the round's first replay "
+                         "then starts on an idle GPU, as before session 60)")
+    ap.add_argument("--analyse", metavar="JSON", default=None,
+                    help="print the table again from a run's import_order_kernels.json and exit (a run from before "
+                         "session 60 has no places in round: they are rebuilt from the orders its rounds had then)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, toy shapes: checks the script")
     a = ap.parse_args()
+    if a.analyse:
+        return analyse(Path(a.analyse))
     rng = random.Random(a.seed)
     order = rng.sample(list(armsmod.ARMS), 3)
-    copies = load_copies(order)
-    print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}; imported {', '.join(order)}", flush=True)
+    call_order = order if a.call_order == "import" else rng.sample(order, 3)
+    capture_order = order if a.capture_order == "import" else rng.sample(order, 3)
+    warm = [] if a.warm == "none" else ["warm"]
+    copies = load_copies(warm + order)
+    warm_f = copies.pop("warm", None)
+    print(f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}; imported {', '.join(warm + order)}"
+          f"{'' if not warm else f' (the warm copy: {a.warm})'}; first called {', '.join(call_order)}; "
+          f"captured {', '.join(capture_order)}; lead {a.lead_us:g} us", flush=True)
     contexts = [256, 600] if DRY_RUN else [int(c) for c in a.contexts.split(",")]
-    rounds, calls_n = (2, 1) if DRY_RUN else (a.rounds, a.calls)
+    rounds, calls_n = (3, 1) if DRY_RUN else (a.rounds, a.calls)
     nh, nkv, d, w = 6, 1, 64, a.rows
     rows, table = [], []
     for n in contexts:
@@ -67,30 +147,37 @@ def main() -> None:
         sp = torch.tensor(n - w, dtype=torch.int32, device=DEV)
         outs = {label: torch.empty_like(q) for label in order}
         calls = {label: (lambda f=f, o=outs[label]: f(q, k, v, sp, sinks, o)) for label, f in copies.items()}
-        for label in order:                       # first calls in import order, as the fingerprints make them
+        if warm_f is not None and a.warm == "call":     # the throwaway copy's kernel loaded and run first
+            warm_f(q, k, v, sp, sinks, torch.empty_like(q))
+        for label in call_order:
             calls[label]()
         ref = outs[order[0]]
         same = all(torch.equal(outs[label], ref) for label in order)
-        # one graph per copy, replayed once per round in a fresh order (_bench's paired rounds); the dry run
-        # times nothing (every round 1 us)
-        t = replay_paired({label: [calls[label]] * calls_n for label in order}, rounds, f"{n} keys") or \
-            {label: [1.0] * rounds for label in order}
-        for r in range(rounds):
-            mean = statistics.fmean(t[label][r] for label in order)
-            for label in order:
-                rows.append({"context": n, "round": r, "label": label, "import_position": order.index(label),
-                             "us": t[label][r], "rel": t[label][r] / mean - 1})
-        for label in order:
-            rel = [x["rel"] for x in rows if x["context"] == n and x["label"] == label]
-            m = statistics.fmean(rel)
-            se = statistics.stdev(rel) / math.sqrt(len(rel)) if len(rel) > 1 else float("nan")
-            table.append({"context": n, "label": label, "import_position": order.index(label),
-                          "median_us": statistics.median(t[label]), "rel_pct": 100 * m, "se_pct": 100 * se,
-                          "outputs_equal": same})
-            print(f"{n:>7} {label:>9} (imported #{order.index(label) + 1}): median {statistics.median(t[label]):8.3f} us, "
-                  f"{100 * m:+.3f} % (se {100 * se:.3f}) against the mean of the three; outputs equal: {same}",
-                  flush=True)
-    write_results("import_order_kernels", {"args": vars(a), "import_order": order, "table": table}, rows)
+        # one graph per copy, captured in capture_order, replayed once per round in _bench's balanced
+        # orders behind a lead kernel; the dry run times nothing (rounds of 1 us in the schedule's orders)
+        orders: list[list] = []
+        t = replay_paired({label: [calls[label]] * calls_n for label in capture_order}, rounds, f"{n} keys",
+                          a.lead_us, orders)
+        if t is None:
+            orders = round_orders(capture_order, rounds)
+            t = {label: [1.0] * rounds for label in order}
+        ctx_rows = [{"context": n, "round": r, "label": label, "import_position": order.index(label),
+                     "call_position": call_order.index(label), "capture_position": capture_order.index(label),
+                     "place": orders[r].index(label), "us": t[label][r]}
+                    for r in range(rounds) for label in order]
+        rows += ctx_rows
+        for e in copy_effects(ctx_rows, order):
+            label = e["label"]
+            table.append({"context": n, "import_position": order.index(label),
+                          "call_position": call_order.index(label), "capture_position": capture_order.index(label),
+                          "outputs_equal": same, **e})
+            print(f"{n:>7} {label:>9} (imported #{order.index(label) + 1}{' after warm' if warm else ''}, called "
+                  f"#{call_order.index(label) + 1}, captured #{capture_order.index(label) + 1}): median "
+                  f"{e['median_us']:8.3f} us, {e['rel_pct']:+.3f} % (se {e['se_pct']:.3f}) against the mean of the "
+                  f"three; not first in round (against the others not first) {e['rel_later_pct']:+.3f} % (se {e['se_later_pct']:.3f}); first in "
+                  f"round {e['first_in_round_pct']:+.2f} %; outputs equal: {same}", flush=True)
+    write_results("import_order_kernels", {"args": vars(a), "import_order": warm + order, "call_order": call_order,
+                                           "capture_order": capture_order, "table": table}, rows)
 
 
 if __name__ == "__main__":

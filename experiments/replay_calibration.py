@@ -239,6 +239,9 @@ def _orders_label(o: dict) -> str:
 # decoded in (the per-request frames' columns)
 SPLITS = {"by_context": "context_len", "by_position": "order"}
 LEVELS = ("control", "candidate", "aa")        # the arms' levels' order in arm_components
+# arm_components' penalties: the first-built arm, and the arm imported first, second and third
+ARM_PENALTIES = {"build": "first_built_arm", "import": "first_imported_arm", "import2": "second_imported_arm",
+                 "import3": "third_imported_arm"}
 
 
 def _median_ranges(runs: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
@@ -255,7 +258,8 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
     shares, which the scatter does not show). An offset that follows a position (say, the second import) moves
     to another label when the order changes; one that follows the label stays. Over every aa run, whatever
     its order: how much slower the first-built arm runs than the other two (``first_built_arm``), and the
-    first-imported (``first_imported_arm``; the same runs unless some set ``build_order`` apart), over all
+    first-imported (``first_imported_arm``; the same runs unless some set ``build_order`` apart; likewise
+    ``second_imported_arm``, ``third_imported_arm``), over all
     requests, per quarter of each run's requests by context length (``by_context``: medians of their ranges in
     tokens) and per quarter by the order they were decoded in (``by_position``: positions, 0 = first); the
     two tell a cost of long contexts from a drift over the run once the requests run shuffled
@@ -264,7 +268,7 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
     # per run: the first arm's log TPOT minus the mean of the other two, over all its requests, then per quarter
     # of them by context length and per quarter by run order (their ranges in `ranges`); with the requests
     # decoded in context order (request_order=given) the two splits are the same
-    penalty: dict[str, list[list[float]]] = {"build": [], "import": []}
+    penalty: dict[str, list[list[float]]] = {"build": [], "import": [], "import2": [], "import3": []}
     ranges: dict[str, list[list[tuple[int, int]]]] = {k: [] for k in SPLITS}
     levels: list[np.ndarray] = []     # per run: (parts, arms) log TPOT levels against control
     firsts: list[list[int]] = []      # per run: the first-built and the first-imported arm (indices in LEVELS)
@@ -287,8 +291,10 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
         lv = np.array([[0.0, *(np.nanmean(x[q], axis=0) if len(q) else (np.nan, np.nan))] for q in parts])
         levels.append(lv)
         firsts.append([LEVELS.index(o["build"][0]), LEVELS.index(o["import"][0])])
-        for how, j in (("build", 0), ("import", 1)):
-            f = firsts[-1][j]
+        # the first built, and the arm at each import position (session 60's kernel probe: the copies' speeds
+        # follow their import position, not only the first's)
+        for how, f in (("build", firsts[-1][0]), *((k, LEVELS.index(o["import"][p]))
+                                                    for p, k in enumerate(("import", "import2", "import3")))):
             penalty[how].append(list(lv[:, f] - (lv.sum(axis=1) - lv[:, f]) / 2))
     signed = lambda v: float(math.copysign(math.sqrt(abs(v)), v)) if math.isfinite(v) else v   # noqa: E731
     rng = np.random.default_rng(seed)
@@ -315,7 +321,7 @@ def arm_components(run_dirs: list[Path], n_boot: int = 4000, seed: int = 0) -> d
             continue
         pen = np.array(pen)
         mean, se = np.nanmean(pen, axis=0), np.nanstd(pen, axis=0, ddof=1) / np.sqrt(np.isfinite(pen).sum(axis=0))
-        out[f"first_{'built' if how == 'build' else 'imported'}_arm"] = {
+        out[ARM_PENALTIES[how]] = {
             "runs": len(pen), "mean": float(mean[0]), "se": float(se[0]), **{
                 key: [{"range": [int(lo), int(hi)], "mean": float(m), "se": float(e)}
                       for (lo, hi), m, e in zip(_median_ranges(ranges[key]), mean[1 + 4 * j:5 + 4 * j],
@@ -531,7 +537,8 @@ def main(argv) -> int:
               f"{o['z_rms']:.2f}; pooled arm offset {100 * o['pooled_arm_sd']:.3f} % (95 %: "
               f"{100 * o['pooled_arm_sd_ci'][0]:.3f}-{100 * o['pooled_arm_sd_ci'][1]:.3f})")
     # (runs drawn in random orders spread over up to 36 orders, one or two each: those are counted, not printed)
-    few = sum(1 for k, v in checks["arm_components"].items() if not k.startswith("first_") and v["runs"] < 3)
+    few = sum(1 for k, v in checks["arm_components"].items()
+              if k not in ARM_PENALTIES.values() and k != "first_arm_joint" and v["runs"] < 3)
     if few:
         print(f"{'arm offsets (aa runs)':>28}: {few} orders with fewer than 3 runs each (in the JSON)")
     for orders, c in checks["arm_components"].items():
@@ -544,8 +551,8 @@ def main(argv) -> int:
                       f" % (se {100 * c['imported_first']['se'][p]:.3f})" for p, part in enumerate(parts)
                       if p in (0, 4, 8)))
             continue
-        if orders.startswith("first_"):
-            print(f"{orders.replace('first_', 'first-').replace('_', ' '):>28}: "
+        if orders in ARM_PENALTIES.values():
+            print(f"{orders.replace('_', '-', 1).replace('_', ' '):>28}: "
                   f"{100 * c['mean']:+.3f} % (se {100 * c['se']:.3f}) slower than the mean of the other two, over "
                   f"{c['runs']} aa runs; by context quarter: " + ", ".join(
                       f"{q['range'][0] // 1000}K-{q['range'][1] // 1000}K {100 * q['mean']:+.3f} % "

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
 
-from _bench import HOST_GAP_US, critical_path  # noqa: E402
+from _bench import HOST_GAP_US, critical_path, place_spread, round_orders  # noqa: E402
 
 
 def test_critical_path_charges_gaps_and_exposed_time():
@@ -314,12 +314,13 @@ def test_calibration_finds_the_penalty_of_the_first_built_arm(tmp_path):
             spike_prob=0.0, **effects[order[0]]))
         dirs.append(d)
 
-    def record(shuffle: bool):
+    def record(shuffle: bool, slow_imported_second: bool = False):
         rng = random.Random(1)
         for d, order in zip(dirs, orders):
             o = rng.sample(labels, 3) if shuffle else order
+            imp = [o[1], o[0], o[2]] if slow_imported_second else o
             m = json.loads((d / "manifest.json").read_text())
-            m["arm_orders"], m.setdefault("config", {})["import_order"] = {"import": o, "build": o}, "random"
+            m["arm_orders"], m.setdefault("config", {})["import_order"] = {"import": imp, "build": o}, "random"
             (d / "manifest.json").write_text(json.dumps(m))
         return rc.arm_components(dirs, n_boot=50)
 
@@ -331,6 +332,15 @@ def test_calibration_finds_the_penalty_of_the_first_built_arm(tmp_path):
     assert len(pen["by_context"]) == 4 and all(abs(q["mean"] - b) < 0.5 * b for q in pen["by_context"]), pen
     assert [q["range"][0] < q["range"][1] for q in pen["by_context"]] == [True] * 4
     assert [q["range"] for q in pen["by_position"]] == [[0, 2], [3, 5], [6, 8], [9, 11]]
+    # every import position: the slow arm is first, so the second and the third each read -b/2 (the slow arm
+    # is one of their "other two")
+    for key in ("second_imported_arm", "third_imported_arm"):
+        assert abs(got[key]["mean"] + b / 2) < 0.25 * b, (key, got[key])
+    # the slow arm imported second (built first still): the second position carries it, the first reads -b/2
+    second = record(shuffle=False, slow_imported_second=True)
+    assert abs(second["second_imported_arm"]["mean"] - b) < 0.25 * b, second["second_imported_arm"]
+    assert abs(second["first_imported_arm"]["mean"] + b / 2) < 0.25 * b, second["first_imported_arm"]
+    assert second["first_built_arm"]["mean"] == pen["mean"]
     shuffled = record(shuffle=True)["first_built_arm"]
     assert abs(shuffled["mean"]) < 0.5 * b, shuffled
 
@@ -453,10 +463,72 @@ def test_import_order_probe_times_three_distinct_copies(tmp_path, monkeypatch):
     assert sorted(got["import_order"]) == ["aa", "candidate", "control"]
     assert {(t["label"], t["import_position"]) for t in got["table"] if t["context"] == 256} == \
         {(label, i) for i, label in enumerate(got["import_order"])}
-    assert all(t["outputs_equal"] for t in got["table"]) and len(got["rows"]) == 2 * 2 * 3
+    assert all(t["outputs_equal"] for t in got["table"]) and len(got["rows"]) == 2 * 3 * 3
+    for key in ("call_order", "capture_order"):
+        assert sorted(got[key]) == sorted(got["import_order"]), key
+    # 3 rounds of 3 copies: every copy at every place once, per context
+    for n in (256, 600):
+        assert sorted((x["label"], x["place"]) for x in got["rows"] if x["context"] == n) == \
+            sorted((label, p) for label in got["import_order"] for p in range(3))
 
     import import_order_kernels as probe
     monkeypatch.setenv("IQUESTRT_HOME", str(tmp_path / "home"))
     copies = probe.load_copies(["aa", "control", "candidate"])
     assert list(copies) == ["aa", "control", "candidate"]
     assert len({f.__module__ for f in copies.values()}) == 3 and len({id(f) for f in copies.values()}) == 3
+
+
+def test_round_orders_put_every_config_at_every_place_equally():
+    """_bench.round_orders: per block of k rounds each config once at each place (counts per place differ
+    by at most one over any number of rounds), every config followed by every other, seeded. Negative
+    control: the orders paired_rounds drew before session 60 (an independent seeded shuffle per round)
+    put the first of three configs first in 74 of 200 rounds, the others in 65 and 61; the check rejects them."""
+    import random
+
+    for k in range(2, 9):
+        names = [f"c{i}" for i in range(k)]
+        for rounds in (k, 5 * k, 200, 201):
+            o = round_orders(names, rounds)
+            assert len(o) == rounds and all(sorted(x) == names for x in o)
+            assert place_spread(o) <= (0 if rounds % k == 0 else 1), (k, rounds)
+    names = ["a", "b", "c"]
+    o = round_orders(names, 60)
+    assert {(x[i], x[i + 1]) for x in o for i in range(2)} == {(a, b) for a in names for b in names if a != b}
+    assert round_orders(names, 60) == o and round_orders(names, 60, seed=1) != o
+    old = [random.Random(r).sample(names, 3) for r in range(200)]
+    assert [sum(x[0] == n for x in old) for n in names] == [74, 65, 61]
+    assert place_spread(old) == 13
+
+
+def test_copy_effects_separate_a_slow_copy_from_the_first_place_in_a_round(tmp_path):
+    """experiments/import_order_kernels.copy_effects on synthetic rounds: copy "b" 2 % slower everywhere,
+    every copy 5 % slower when it runs first in its round, places from round_orders. It must give b
+    about +1 % against the others not first (b against one other copy: half of 2 %) and the others about
+    -0.5 %, and the first-place penalty +5 % for each. Negative control: the same copies timed in the old
+    unbalanced orders, where "a" ran first most often, read "a" as slower over all rounds while the
+    not-first comparison still finds it about equal. --analyse rebuilds the old places of a saved run."""
+    import json
+    import random
+
+    import import_order_kernels as probe
+
+    names = ["a", "b", "c"]
+
+    def rows(orders):
+        return [{"round": r, "label": lb, "place": o.index(lb),
+                 "us": 10.0 * (1.02 if lb == "b" else 1.0) * (1.05 if o.index(lb) == 0 else 1.0)}
+                for r, o in enumerate(orders) for lb in names]
+
+    got = {e["label"]: e for e in probe.copy_effects(rows(round_orders(names, 201)), names)}
+    assert abs(got["b"]["rel_later_pct"] - 1.0) < 0.05 and abs(got["a"]["rel_later_pct"] + 0.5) < 0.05
+    assert all(abs(e["first_in_round_pct"] - 5.0) < 1e-6 for e in got.values())
+    assert abs(got["a"]["rel_pct"] - got["c"]["rel_pct"]) < 1e-9       # balanced: a and c read the same
+    old = [random.Random(r).sample(names, 3) for r in range(200)]
+    bad = {e["label"]: e for e in probe.copy_effects(rows(old), names)}
+    assert bad["a"]["rel_pct"] - bad["c"]["rel_pct"] > 0.25             # a's extra first places read as a's (0.32)
+    assert abs(bad["a"]["rel_later_pct"] - bad["c"]["rel_later_pct"]) < 0.1   # (0.05: partners differ in mix)
+    assert all(probe.old_place(names, r, lb) == o.index(lb) for r, o in enumerate(old) for lb in names)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"import_order": names, "rows": [
+        {k: v for k, v in x.items() if k != "place"} | {"context": 7} for x in rows(old)]}))
+    assert probe.analyse(path) is None
