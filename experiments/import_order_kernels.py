@@ -1,26 +1,32 @@
-"""Does the copy of the runtime imported first run its attention slower? (session 59)
+"""Does a copy of the runtime run its attention at a speed set by its import position? (sessions 59-60)
 
-The paired replay's A/A runs (``experiments/notes/placement.md``, session 59) put a penalty on the arm
-imported first, not the one built first, and only in the longest requests (46K-189K: +0.2 % of TPOT).
-Attention is the part of a step that grows with context. This probe separates the kernel's copy from its
-data: three copies of ``runtime`` are imported as the replay imports its arms (``replay.arms``, the working
-tree, labels control / candidate / aa, in a random order), and each copy's ``decode_attention_full`` is
-captured in a CUDA graph of ``--calls`` calls over ONE shared KV cache, q and output. The copies are
-called first in their import order (as the fingerprints do), then timed in rounds, each round replaying
-every copy's graph in a fresh random order (``_bench.replay_paired``). Per context: each copy's time over the mean of the three,
-mean and standard error over rounds, with the copy's import position. The same data and launch
-arguments, so a difference can only come from the copy itself (its compiled module, where it was
-loaded, its launch path); the two later copies are each other's A/A.
+The paired replay's A/A runs (``experiments/notes/placement.md``, sessions 59-60) put a penalty on the arm
+imported first in the longest requests (46K-189K: +0.2 % of TPOT), and a small gain on the arm imported
+second (-0.075 % over all). This probe separates the kernel's copy from its data: ``--copies`` copies of
+``runtime`` (default 3) are imported as the replay imports its arms (``replay.arms``, the working tree,
+labels control / candidate / aa, then copy3, copy4, ...; in a drawn order), and each copy's
+``decode_attention_full`` is captured in a CUDA graph of ``--calls`` calls over ONE shared KV cache, q and
+output. The copies are first called in their import order (as the fingerprints do; ``--call-order random``:
+in an order of their own, which is when Triton loads each copy's kernel), their graphs captured in another
+drawn order (``--capture-order``), then timed in rounds: each round replays every copy's graph once, in
+``_bench``'s balanced orders behind a spin kernel (``--lead-us``; 0 = none, the round's first replay then
+starts on an idle GPU). The same data and launch arguments, so a difference can only come from the copy
+itself (its compiled module, where it was loaded, its graph).
 
-``--warm import`` imports a fourth, throwaway copy (label ``warm``) before the three and never calls it;
-``--warm call`` also calls its attention once per context before the three's first calls (what the
-replay's ``warm_copy=true`` does for every kernel of a decode). The warm copy is never timed: the question
-is whether the three are then equal (session 60).
+Per context and copy: its time over the mean of the copies in each round (mean, se); the same over the
+rounds where it did not run first, against the others not first (what a lead kernel missing from the
+schedule cannot move); and its time first in a round against later (medians). A value against the mean
+of two is about half the difference between the two copies.
 
-    OUT=... python3 experiments/import_order_kernels.py --contexts 4096,65536,190000 --rounds 200
+``--warm import`` imports a throwaway copy (label ``warm``) before the others and never calls it;
+``--warm call`` also calls its attention once per context before the others' first calls (what the
+replay's ``warm_copy=true`` does for every kernel of a decode). The warm copy is never timed.
+
+    OUT=... python3 experiments/import_order_kernels.py --contexts 4096,65536,190000 --rounds 201
+    python3 experiments/import_order_kernels.py --analyse RUN/import_order_kernels.json   # a saved run's table
     python experiments/import_order_kernels.py --dry-run       # CPU interpreter, toy shapes: checks the script
 
-Writes ``$OUT/import_order_kernels.json`` (every round's times) and prints a table per context.
+Writes ``$OUT/import_order_kernels.json`` (every round's times and places) and prints a table per context.
 """
 from __future__ import annotations
 
@@ -107,6 +113,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=6, help="live rows (q1-mini: 6 heads, 1 KV head, d = 64)")
     ap.add_argument("--calls", type=int, default=16, help="calls per graph")
     ap.add_argument("--seed", type=int, default=None, help="the import, call and capture orders' draw (default: fresh)")
+    ap.add_argument("--copies", type=int, default=3,
+                    help="how many copies to import (labels control, candidate, aa, then copy3, copy4, ...): more "
+                         "copies map the offsets of more import positions")
     ap.add_argument("--warm", choices=("none", "import", "call"), default="none",
                     help="a throwaway copy imported first: never called (import) or called once per context first (call)")
     ap.add_argument("--call-order", choices=("import", "random"), default="import",
@@ -124,10 +133,13 @@ def main() -> None:
     a = ap.parse_args()
     if a.analyse:
         return analyse(Path(a.analyse))
+    if a.copies < 2:
+        ap.error(f"--copies {a.copies}: at least 2 (each copy is compared with the others)")
+    labels = [*armsmod.ARMS[:a.copies], *(f"copy{i}" for i in range(len(armsmod.ARMS), a.copies))]
     rng = random.Random(a.seed)
-    order = rng.sample(list(armsmod.ARMS), 3)
-    call_order = order if a.call_order == "import" else rng.sample(order, 3)
-    capture_order = order if a.capture_order == "import" else rng.sample(order, 3)
+    order = rng.sample(labels, len(labels))
+    call_order = order if a.call_order == "import" else rng.sample(order, len(order))
+    capture_order = order if a.capture_order == "import" else rng.sample(order, len(order))
     warm = [] if a.warm == "none" else ["warm"]
     copies = load_copies(warm + order)
     warm_f = copies.pop("warm", None)
@@ -135,7 +147,7 @@ def main() -> None:
           f"{'' if not warm else f' (the warm copy: {a.warm})'}; first called {', '.join(call_order)}; "
           f"captured {', '.join(capture_order)}; lead {a.lead_us:g} us", flush=True)
     contexts = [256, 600] if DRY_RUN else [int(c) for c in a.contexts.split(",")]
-    rounds, calls_n = (3, 1) if DRY_RUN else (a.rounds, a.calls)
+    rounds, calls_n = (len(order), 1) if DRY_RUN else (a.rounds, a.calls)
     nh, nkv, d, w = 6, 1, 64, a.rows
     rows, table = [], []
     for n in contexts:
@@ -173,8 +185,8 @@ def main() -> None:
                           "outputs_equal": same, **e})
             print(f"{n:>7} {label:>9} (imported #{order.index(label) + 1}{' after warm' if warm else ''}, called "
                   f"#{call_order.index(label) + 1}, captured #{capture_order.index(label) + 1}): median "
-                  f"{e['median_us']:8.3f} us, {e['rel_pct']:+.3f} % (se {e['se_pct']:.3f}) against the mean of the "
-                  f"three; not first in round (against the others not first) {e['rel_later_pct']:+.3f} % (se {e['se_later_pct']:.3f}); first in "
+                  f"{e['median_us']:8.3f} us, {e['rel_pct']:+.3f} % (se {e['se_pct']:.3f}) against the mean of all "
+                  f"copies; not first in round (against the others not first) {e['rel_later_pct']:+.3f} % (se {e['se_later_pct']:.3f}); first in "
                   f"round {e['first_in_round_pct']:+.2f} %; outputs equal: {same}", flush=True)
     write_results("import_order_kernels", {"args": vars(a), "import_order": warm + order, "call_order": call_order,
                                            "capture_order": capture_order, "table": table}, rows)

@@ -471,6 +471,17 @@ def test_import_order_probe_times_three_distinct_copies(tmp_path, monkeypatch):
         assert sorted((x["label"], x["place"]) for x in got["rows"] if x["context"] == n) == \
             sorted((label, p) for label in got["import_order"] for p in range(3))
 
+    # four copies, first called in an order of their own: a fourth label, four places per round
+    r = subprocess.run([sys.executable, "experiments/import_order_kernels.py", "--dry-run", "--seed", "2",
+                        "--copies", "4", "--call-order", "random"],
+                       cwd=root, env={**env, "OUT": str(tmp_path / "out4")}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got4 = json.loads((tmp_path / "out4" / "import_order_kernels.json").read_text())
+    assert sorted(got4["import_order"]) == ["aa", "candidate", "control", "copy3"]
+    assert sorted(got4["call_order"]) == sorted(got4["import_order"])
+    assert sorted((x["label"], x["place"]) for x in got4["rows"] if x["context"] == 256) == \
+        sorted((label, p) for label in got4["import_order"] for p in range(4))
+
     import import_order_kernels as probe
     monkeypatch.setenv("IQUESTRT_HOME", str(tmp_path / "home"))
     copies = probe.load_copies(["aa", "control", "candidate"])
