@@ -543,3 +543,47 @@ def test_copy_effects_separate_a_slow_copy_from_the_first_place_in_a_round(tmp_p
     path.write_text(json.dumps({"import_order": names, "rows": [
         {k: v for k, v in x.items() if k != "place"} | {"context": 7} for x in rows(old)]}))
     assert probe.analyse(path) is None
+
+
+def test_import_order_steps_probe_decodes_the_same_request_in_every_copy(tmp_path, monkeypatch):
+    """experiments/import_order_steps.py --dry-run (CPU, q1-tiny, eager): three copies of the runtime, built on
+    one set of weights, decode forks of the same started request in balanced rounds and emit the same tokens.
+    Negative control of its checks: a copy decoding its started request again without a fork finds it done,
+    times no step, and its row (0 us, 0 steps) is one the checks reject."""
+    import json
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "IQUESTRT_HOME": str(tmp_path / "home"), "OUT": str(tmp_path / "out")}
+    r = subprocess.run([sys.executable, "experiments/import_order_steps.py", "--dry-run", "--seed", "4"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads((tmp_path / "out" / "import_order_steps.json").read_text())
+    order = got["import_order"]
+    assert sorted(order) == ["aa", "candidate", "control"] and got["model"] == "q1-tiny"
+    for n in (48, 96):
+        rows = [x for x in got["rows"] if x["context"] == n]
+        assert sorted((x["label"], x["place"]) for x in rows) == sorted((lb, p) for lb in order for p in range(3))
+        assert all(x["same_tokens"] and x["us"] > 0 and x["steps"] >= 1 for x in rows)
+        assert {t["label"] for t in got["table"] if t["context"] == n} == set(order)
+
+    import importlib
+    from pathlib import Path
+
+    import import_order_steps as probe
+    import torch
+    from replay import arms as armsmod
+    monkeypatch.setenv("IQUESTRT_HOME", str(tmp_path / "home"))
+    repo = armsmod.repo_root(Path(__file__).resolve().parent)
+    arm = armsmod.load_arms(repo, {"control": armsmod.WORKTREE}, {}, order=["control"])["control"]
+    rt = {"backend": "reference", "dtype": "float32", "device": "cpu", "execution": "eager"}
+    eng = armsmod.build(arm, "q1-tiny", rt, armsmod.WeightCache()).engine
+    fork = importlib.import_module(f"{arm.module}.graphs").fork_request
+    prompt = torch.randint(0, eng.cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(48)).tolist()
+    with torch.no_grad():
+        rnd, st = eng.start(prompt, 0, 6)
+        a, b = eng.decode(*fork(rnd, st)).tokens, eng.decode(*fork(rnd, st)).tokens
+        assert a == b and probe.decode_us(eng.decode(*fork(rnd, st))) > 0
+        eng.decode(rnd, st)                              # the started request itself, no fork: it is done
+        again = eng.decode(rnd, st)
+        assert again.step_ns == [] and probe.decode_us(again) == 0      # a row the check above rejects

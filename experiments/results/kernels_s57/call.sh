@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 57's device call (session 56's, plus `pkern`: experiments/placement_kernels.py with PKARGS; session 59 added `iprobe`: experiments/import_order_kernels.py IPRUNS times with IPARGS): bash experiments/results/kernels_s57/call.sh callN, with STEPS (any of gtest bench step exec paired pairedB placement server pkern iprobe calib; PLARGS / SVARGS: placement.py's / bench_server.py's),
+# Session 57's device call (session 56's, plus `pkern`: experiments/placement_kernels.py with PKARGS; session 59 added `iprobe`: experiments/import_order_kernels.py IPRUNS times with IPARGS; session 60 `isteps`: experiments/import_order_steps.py ISRUNS times with ISARGS): bash experiments/results/kernels_s57/call.sh callN, with STEPS (any of gtest bench step exec paired pairedB placement server pkern iprobe isteps calib; PLARGS / SVARGS: placement.py's / bench_server.py's),
 # GTESTS (pytest arguments; default: the whole GPU suite), ONLY (bench_kernels --no-sweep; default: every kernel),
 # STEPCTX / STEPBUDGET (bench_step.py --profile), EXECARGS (bench_execution.py), PN / PBUDGET / PARMS (the paired replay: requests, tokens, the arms'
 # settings; it needs .carry/traces, built on the CPU host: `IQUESTRT_HOME=H python -m snapshots.traces build
@@ -40,6 +40,9 @@ for s in ${STEPS:-bench step paired}; do
     iprobe) export IQUESTRT_HOME=/tmp/iq    # session 59's probe: each imported copy's attention on shared data
             for r in ${IPRUNS:-1 2 3}; do OUT=$c/iprobe/r$r PYTHONUNBUFFERED=1 timeout ${IPTIMEOUT:-90} \
               python3 experiments/import_order_kernels.py ${IPARGS:-} >> "$c/iprobe.log" 2>&1; done ;;
+    isteps) export IQUESTRT_HOME=/tmp/iq    # session 60's probe: each imported copy's whole decodes of one request
+            for r in ${ISRUNS:-1}; do OUT=$c/isteps/r$r PYTHONUNBUFFERED=1 timeout ${ISTIMEOUT:-240} \
+              python3 experiments/import_order_steps.py ${ISARGS:-} >> "$c/isteps.log" 2>&1; done ;;
     calib) export IQUESTRT_HOME=/tmp/iq
             PYTHONUNBUFFERED=1 timeout ${CTIMEOUT:-580} python3 experiments/replay_calibration.py revision=WORKTREE out=$c/calib \
               extra="runtime.backend=fast runtime.dtype=bfloat16 runtime.device=cuda snapshots.auto_capture=true traces.store=$PWD/.carry/traces ${CALEXTRA:-}" \
