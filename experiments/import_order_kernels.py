@@ -53,6 +53,11 @@ def load_copies(order: list[str]) -> dict[str, object]:
             for label, arm in loaded.items()}
 
 
+def copy_labels(n: int) -> list[str]:
+    """control, candidate, aa, then copy3, copy4, ...: ``n`` labels."""
+    return [*armsmod.ARMS[:n], *(f"copy{i}" for i in range(len(armsmod.ARMS), n))]
+
+
 def copy_effects(rows: list[dict], labels: list[str]) -> list[dict]:
     """Per copy (of one context's ``rows``: round, label, us, place): its time over the mean of the
     copies in the same round, mean and standard error over rounds; the same over the rounds in which it
@@ -135,7 +140,7 @@ def main() -> None:
         return analyse(Path(a.analyse))
     if a.copies < 2:
         ap.error(f"--copies {a.copies}: at least 2 (each copy is compared with the others)")
-    labels = [*armsmod.ARMS[:a.copies], *(f"copy{i}" for i in range(len(armsmod.ARMS), a.copies))]
+    labels = copy_labels(a.copies)
     rng = random.Random(a.seed)
     order = rng.sample(labels, len(labels))
     call_order = order if a.call_order == "import" else rng.sample(order, len(order))

@@ -34,13 +34,8 @@ from _bench import CUDA, DEV, DRY_RUN, round_orders, write_results  # noqa: I001
 
 import torch
 
-from import_order_kernels import copy_effects
+from import_order_kernels import copy_effects, copy_labels
 from replay import arms as armsmod
-
-
-def copy_labels(n: int) -> list[str]:
-    """control, candidate, aa, then copy3, copy4, ...: ``n`` labels."""
-    return [*armsmod.ARMS[:n], *(f"copy{i}" for i in range(len(armsmod.ARMS), n))]
 
 
 def decode_us(g) -> float:
