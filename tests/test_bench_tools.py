@@ -446,20 +446,26 @@ def test_calibration_resampled_coverage_checks_the_method_on_the_runs_own_noise(
     assert bad["holding_0"] < 0.8, bad
 
 
+def _probe_dry_run(tmp_path, script: str, *args: str, out: str = "out") -> dict:
+    """Run ``experiments/<script>.py --dry-run ARGS`` (its own IQUESTRT_HOME and OUT under tmp_path) and
+    return the JSON it wrote."""
+    import json
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "IQUESTRT_HOME": str(tmp_path / "home"), "OUT": str(tmp_path / out)}
+    r = subprocess.run([sys.executable, f"experiments/{script}.py", "--dry-run", *args],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads((tmp_path / out / f"{script}.json").read_text())
+
+
 def test_import_order_probe_times_three_distinct_copies(tmp_path, monkeypatch):
     """experiments/import_order_kernels.py --dry-run (CPU interpreter): three copies of the working tree's
     runtime imported in a drawn order, each copy's attention timed over the same data with equal outputs.
     The copies must be distinct modules: one module's function timed three times (the broken variant) would
     compare a copy with itself."""
-    import json
-    import subprocess
-
-    root = os.path.join(os.path.dirname(__file__), "..")
-    env = {**os.environ, "IQUESTRT_HOME": str(tmp_path / "home"), "OUT": str(tmp_path / "out")}
-    r = subprocess.run([sys.executable, "experiments/import_order_kernels.py", "--dry-run", "--seed", "3"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    got = json.loads((tmp_path / "out" / "import_order_kernels.json").read_text())
+    got = _probe_dry_run(tmp_path, "import_order_kernels", "--seed", "3")
     assert sorted(got["import_order"]) == ["aa", "candidate", "control"]
     assert {(t["label"], t["import_position"]) for t in got["table"] if t["context"] == 256} == \
         {(label, i) for i, label in enumerate(got["import_order"])}
@@ -472,11 +478,8 @@ def test_import_order_probe_times_three_distinct_copies(tmp_path, monkeypatch):
             sorted((label, p) for label in got["import_order"] for p in range(3))
 
     # four copies, first called in an order of their own: a fourth label, four places per round
-    r = subprocess.run([sys.executable, "experiments/import_order_kernels.py", "--dry-run", "--seed", "2",
-                        "--copies", "4", "--call-order", "random"],
-                       cwd=root, env={**env, "OUT": str(tmp_path / "out4")}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    got4 = json.loads((tmp_path / "out4" / "import_order_kernels.json").read_text())
+    got4 = _probe_dry_run(tmp_path, "import_order_kernels", "--seed", "2", "--copies", "4", "--call-order", "random",
+                          out="out4")
     assert sorted(got4["import_order"]) == ["aa", "candidate", "control", "copy3"]
     assert sorted(got4["call_order"]) == sorted(got4["import_order"])
     assert sorted((x["label"], x["place"]) for x in got4["rows"] if x["context"] == 256) == \
@@ -550,15 +553,7 @@ def test_import_order_steps_probe_decodes_the_same_request_in_every_copy(tmp_pat
     one set of weights, decode forks of the same started request in balanced rounds and emit the same tokens.
     Negative control of its checks: a copy decoding its started request again without a fork finds it done,
     times no step, and its row (0 us, 0 steps) is one the checks reject."""
-    import json
-    import subprocess
-
-    root = os.path.join(os.path.dirname(__file__), "..")
-    env = {**os.environ, "IQUESTRT_HOME": str(tmp_path / "home"), "OUT": str(tmp_path / "out")}
-    r = subprocess.run([sys.executable, "experiments/import_order_steps.py", "--dry-run", "--seed", "4"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    got = json.loads((tmp_path / "out" / "import_order_steps.json").read_text())
+    got = _probe_dry_run(tmp_path, "import_order_steps", "--seed", "4")
     order = got["import_order"]
     assert sorted(order) == ["aa", "candidate", "control"] and got["model"] == "q1-tiny"
     for n in (48, 96):
